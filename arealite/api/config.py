@@ -1,0 +1,223 @@
+"""Dataclass configs for every component, loadable from YAML and overridable with tyro.
+
+Every field has a one-line comment; units are given in brackets. A recipe's top-level config is a
+dataclass composed of these (see :class:`GRPOConfig`), loaded with :func:`load_config`::
+
+    config = load_config(GRPOConfig, sys.argv[1:])
+    # python recipes/grpo_math.py --config recipes/configs/grpo_math.yaml --actor.optimizer.lr 1e-5
+
+Precedence: dataclass defaults < YAML file given with ``--config`` < command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling parameters sent to the inference server (SGLang ``sampling_params`` subset)."""
+
+    n_samples: int = 8  # completions per prompt (GRPO group size)
+    max_new_tokens: int = 24  # generated tokens per completion [tokens]
+    temperature: float = 0.7  # sampling temperature; the trainer divides logits by the same value
+    top_p: float = 1.0  # nucleus sampling threshold
+    top_k: int = -1  # top-k sampling (-1 disables)
+    greedy: bool = False  # temperature 0 (evaluation)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides EOS
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The SGLang-style ``sampling_params`` dict for one request (``n`` is always 1)."""
+        return {
+            "temperature": 0.0 if self.greedy else self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup then a constant or cosine schedule."""
+
+    lr: float = 1e-5  # peak learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    gradient_clipping: float = 1.0  # max global grad norm (0 disables)
+    warmup_steps: int = 0  # linear warmup [optimizer steps]
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+
+
+@dataclass
+class MicroBatchSpec:
+    """How a batch is split into micro-batches for gradient accumulation."""
+
+    max_tokens_per_mb: int = 8192  # token budget per micro-batch (padded tokens) [tokens]
+
+
+@dataclass
+class TrainEngineConfig:
+    """The FSDP2 policy (actor) or reference model."""
+
+    path: str = ""  # HF model folder; "" = the embedded SmolLM2-135M-Instruct default
+    dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype (float32 on CPU)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    gradient_checkpointing: bool = False  # recompute activations in backward
+    num_threads: int = 0  # torch intra-op threads per trainer rank (0 = cores left by servers)
+
+
+@dataclass
+class InferenceEngineConfig:
+    """Rollout side: servers, client and the staleness-aware executor."""
+
+    backend: Literal["local"] = "local"  # our transformers server (sglang/vllm: later)
+    addresses: list[str] = field(default_factory=list)  # "host:port" of running servers; [] = launch
+    n_servers: int = 1  # servers to launch when no addresses are given
+    server_threads: int = 1  # torch threads per launched server process
+    server_max_batch_size: int = 128  # concurrent sequences decoded together per server
+    consumer_batch_size: int = 8  # trajectories (prompts) per training step over all ranks
+    max_concurrent_rollouts: int = 0  # episodes in flight over all ranks (0 = consumer_batch_size)
+    max_head_offpolicyness: int = 1  # η: a trained sample is at most η versions stale (0 = sync)
+    request_timeout: float = 600.0  # one /generate HTTP call [s]
+    request_retries: int = 3  # attempts per HTTP call
+    setup_timeout: float = 300.0  # waiting for servers to become healthy [s]
+    queue_size: int = 0  # input/output queue bound (0 = 16 × max_concurrent_rollouts)
+
+
+@dataclass
+class DatasetConfig:
+    """A prompt dataset: the embedded arithmetic task or a GSM8K/MATH jsonl file."""
+
+    path: str | None = None  # None/"arithmetic" = embedded task; else a .jsonl path
+    size: int | None = None  # rows to use (after a seeded shuffle); None = all/default
+    batch_size: int = 8  # prompts per step over all ranks
+    shuffle: bool = True
+
+
+@dataclass
+class GRPOAlgoConfig:
+    """GRPO / PPO-clip hyper-parameters (see arealite/algorithms/grpo.py)."""
+
+    eps_clip: float = 0.2  # PPO clip range ε (lower)
+    eps_clip_high: float | None = None  # upper clip ε_high (DAPO clip-higher); None = eps_clip
+    kl_coef: float = 0.0  # β of the k3 KL penalty to the reference model (0 = no reference)
+    adv_norm_std: bool = True  # divide group-centred rewards by the group std (False = Dr.GRPO)
+    n_minibatches: int = 1  # PPO minibatch updates per batch
+    use_decoupled_loss: bool = True  # AReaL decoupled PPO: clip around a recomputed π_prox
+    behav_imp_weight_cap: float | None = 5.0  # tokens with π_prox/π_behav above this are masked
+
+
+@dataclass
+class SaverConfig:
+    freq_steps: int = 0  # save an HF checkpoint every N steps (0 = only at the end)
+
+
+@dataclass
+class EvalConfig:
+    freq_steps: int = 0  # evaluate held-out greedy accuracy every N steps (0 = never)
+    size: int = 64  # held-out prompts per evaluation
+
+
+@dataclass
+class GRPOConfig:
+    """Top-level config of the GRPO math recipe."""
+
+    experiment_name: str = "grpo_math"
+    trial_name: str = "trial0"
+    fileroot: str = "outputs"  # logs, rollouts, checkpoints go to fileroot/experiment/trial
+    seed: int = 1
+    total_train_steps: int = 20  # optimizer updates of the policy [steps]
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    actor: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    algo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    evaluator: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def output_dir(self) -> str:
+        return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from a nested dict (e.g. parsed YAML), recursing into fields.
+
+    Raises:
+        ValueError: an unknown key (names the dotted path and lists the valid keys).
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ValueError(f"{path}: unknown config key; valid keys here: {sorted(names)}")
+        sub = _dataclass_of(hints[key])
+        kwargs[key] = from_dict(sub, value, path) if sub is not None and value is not None else value
+    return cls(**kwargs)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def load_config(cls: type[T], argv: list[str] | None = None) -> T:
+    """Parse ``[--config FILE.yaml] [--a.b.c VALUE ...]`` into dataclass ``cls``.
+
+    The YAML file (optional) replaces the dataclass defaults; tyro then applies the remaining
+    command-line flags on top (``--actor.optimizer.lr 1e-5``). ``--help`` lists every field.
+
+    Raises:
+        FileNotFoundError: ``--config`` names a missing file.
+        ValueError: the YAML has an unknown key.
+        SystemExit: tyro rejects a flag (it prints the valid ones).
+    """
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = cls()
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config: missing value; pass a YAML file path")
+        path = argv[i + 1]
+        del argv[i : i + 2]
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--config: file not found: {path}")
+        with open(path) as f:
+            default = from_dict(cls, yaml.safe_load(f) or {})
+    return tyro.cli(cls, default=default, args=argv, config=(tyro.conf.FlagConversionOff,))
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as a plain nested dict (for logging and ``config.yaml`` next to outputs)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,239 @@
+"""Tests for arealite.reward.math and arealite.reward.worker.
+
+The RewardWorker helpers below are module-level so the spawn start method can
+pickle them by reference (the worker re-imports this module by name; spawned
+children inherit the parent's sys.path, which pytest sets up to import it).
+"""
+
+import asyncio
+import logging
+import os
+import time
+
+import pytest
+
+from arealite.reward.math import (
+    extract_gsm8k_answer,
+    extract_last_number,
+    gsm8k_reward,
+    math_reward,
+)
+from arealite.reward.worker import RewardWorker
+
+
+# ---------------------------------------------------------------- helpers (spawn)
+def add(a, b):
+    return a + b
+
+
+def sleep_forever(seconds=30.0):
+    time.sleep(seconds)
+    return 1.0
+
+
+def hard_exit():
+    os._exit(1)
+
+
+def raise_error():
+    raise ZeroDivisionError("boom in reward fn")
+
+
+def not_a_number():
+    return "not a float"
+
+
+# ---------------------------------------------------------------- math_reward
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("The answer is 1,000.", "1000", 1.0),
+        ("The answer is 1,000.", "100", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("so the result is \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+        ("I think 12... no wait, 13", "13", 1.0),
+        ("I think 12... no wait, 13", "12", 0.0),
+        ("57.", "57", 1.0),
+        ("**57**", "57", 1.0),
+        ("$57$", "57", 1.0),
+        ("57", "58", 0.0),
+        ("", "57", 0.0),
+        ("no number here", "57", 0.0),
+        ("The temperature dropped to -5 degrees.", "-5", 1.0),
+        ("The temperature dropped to -5 degrees.", "5", 0.0),
+        ("It costs 2.50 dollars", "2.5", 1.0),
+        ("It costs 2.50 dollars", "2.05", 0.0),
+        ("Total: -1,234.5", "-1234.5", 1.0),
+        ("Natalia sold 48+24 = 72 clips.\n#### 72", "72", 1.0),
+    ],
+)
+def test_math_reward_messy_answers(completion, answer, expected):
+    assert math_reward(completion, answer) == expected
+
+
+def test_gsm8k_reward_is_math_reward():
+    assert gsm8k_reward("So she earned $10.", "10") == 1.0
+    assert gsm8k_reward("So she earned $10.", "11") == 0.0
+
+
+def test_numeric_fallback_when_math_verify_finds_nothing(monkeypatch):
+    import math_verify
+
+    def broken_parse(*a, **k):
+        raise RuntimeError("parser exploded")
+
+    monkeypatch.setattr(math_verify, "parse", broken_parse)
+    assert math_reward("The answer is 1,000.", "1000") == 1.0
+    assert math_reward("I think 12... no wait, 13", "12") == 0.0
+    assert math_reward("about 0.3333333334", "0.3333333333") == 1.0  # |diff| < 1e-6
+    assert math_reward("about 0.334", "0.333") == 0.0
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "",
+        "\x00\x01\x02",
+        "\ud800\udfff lone surrogates",
+        "日本語のテキスト 🚀🚀 ∑∫√",
+        "\\boxed{" * 2000,
+        "}{" * 50_000,
+        "9" * 5000,
+        "a" * 1_000_000,
+        "\\frac{1}{0}",
+        "$$$$\\\\\\",
+        "1/0",
+    ],
+)
+def test_garbage_never_raises(garbage):
+    assert math_reward(garbage, "57") == 0.0
+    assert math_reward("57", garbage) in (0.0, 1.0)
+
+
+def test_non_string_inputs_return_zero():
+    assert math_reward(None, "1") == 0.0  # type: ignore[arg-type]
+    assert math_reward("1", None) == 0.0  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- extraction
+def test_extract_gsm8k_answer():
+    assert extract_gsm8k_answer("48+24=72\n#### 72") == "72"
+    assert extract_gsm8k_answer("blah\n#### 1,000") == "1000"
+    assert extract_gsm8k_answer("a #### 3\nb #### -4 ") == "-4"  # the LAST marker
+    with pytest.raises(ValueError, match="####"):
+        extract_gsm8k_answer("The answer is 72")
+    with pytest.raises(ValueError):
+        extract_gsm8k_answer("#### ")
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("-1,234.5", "-1234.5"),
+        ("The answer is 1,000.", "1000"),
+        ("I think 12... no wait, 13", "13"),
+        ("57.", "57"),
+        ("x = -7 and 3.25", "3.25"),
+        ("it fell to -0.25.", "-0.25"),
+        ("1,234,567 people", "1234567"),
+        ("3-4", "4"),  # binary minus is not a sign
+        ("no digits", None),
+        ("", None),
+    ],
+)
+def test_extract_last_number(text, expected):
+    assert extract_last_number(text) == expected
+
+
+# ---------------------------------------------------------------- RewardWorker
+def test_worker_normal_and_real_reward_fn():
+    with RewardWorker(timeout=30) as w:
+        assert w.compute(add, 2, 3) == 5.0
+        assert isinstance(w.compute(add, 2, 3), float)
+        assert w.compute(math_reward, "The answer is \\boxed{72}", "72") == 1.0
+        assert w.compute(math_reward, "The answer is \\boxed{71}", "72") == 0.0
+
+
+def test_worker_timeout_kills_and_recovers(caplog):
+    with RewardWorker(timeout=2) as w:
+        assert w.compute(add, 1, 1) == 2.0  # pool is up
+        old_pids = set(w._pool._processes)
+        with caplog.at_level(logging.WARNING, logger="arealite.reward"):
+            t0 = time.monotonic()
+            assert w.compute(sleep_forever, 30.0) == 0.0
+            elapsed = time.monotonic() - t0
+        assert elapsed < 10, elapsed
+        msgs = [r.getMessage() for r in caplog.records if r.name == "arealite.reward"]
+        assert any("sleep_forever" in m and "timed out after 2.0 s" in m for m in msgs), msgs
+        # the hung worker was killed
+        for pid in old_pids:
+            with pytest.raises(ProcessLookupError):
+                for _ in range(50):
+                    os.kill(pid, 0)
+                    time.sleep(0.1)
+        assert w.compute(add, 20, 22) == 42.0
+
+
+def test_worker_crash_recovers(caplog):
+    with RewardWorker(timeout=30) as w:
+        with caplog.at_level(logging.WARNING, logger="arealite.reward"):
+            assert w.compute(hard_exit) == 0.0
+        assert any("crashed" in r.getMessage() and "hard_exit" in r.getMessage()
+                   for r in caplog.records)
+        assert w.compute(add, 1, 2) == 3.0
+
+
+def test_worker_exception_and_bad_result(caplog):
+    with RewardWorker(timeout=30) as w:
+        with caplog.at_level(logging.WARNING, logger="arealite.reward"):
+            assert w.compute(raise_error) == 0.0
+            assert w.compute(not_a_number) == 0.0
+        msgs = " ".join(r.getMessage() for r in caplog.records)
+        assert "boom in reward fn" in msgs and "ZeroDivisionError" in msgs
+        assert "not a float" in msgs
+        assert w.compute(add, 1, 2) == 3.0
+
+
+def test_worker_concurrent_timeouts_in_background_loop():
+    """Concurrent acompute calls on a loop in a non-main thread: two simultaneous
+    timeouts create exactly one replacement pool, and good calls still succeed."""
+    import threading
+
+    w = RewardWorker(timeout=2, max_workers=2)
+    result = {}
+
+    async def main():
+        return await asyncio.gather(
+            w.acompute(sleep_forever, 30.0),
+            w.acompute(sleep_forever, 30.0),
+        )
+
+    def runner():
+        loop = asyncio.new_event_loop()
+        try:
+            result["timeouts"] = loop.run_until_complete(main())
+            result["gen"] = w._generation
+            result["after"] = loop.run_until_complete(
+                asyncio.gather(*[w.acompute(add, i, 1) for i in range(4)])
+            )
+        finally:
+            loop.close()
+
+    try:
+        t = threading.Thread(target=runner)
+        t.start()
+        t.join(60)
+        assert not t.is_alive()
+        assert result["timeouts"] == [0.0, 0.0]
+        assert result["gen"] == 1  # one replacement, not two
+        assert result["after"] == [1.0, 2.0, 3.0, 4.0]
+    finally:
+        w.close()
+
+
+def test_worker_closed_raises():
+    w = RewardWorker(timeout=5)
+    w.close()
+    w.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        w.compute(add, 1, 2)
