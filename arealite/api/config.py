@@ -126,8 +126,10 @@ class SaverConfig:
 
 @dataclass
 class EvalConfig:
-    freq_steps: int = 0  # evaluate held-out greedy accuracy every N steps (0 = never)
-    size: int = 64  # held-out prompts per evaluation
+    """Greedy held-out accuracy on ``valid_dataset`` through the inference servers."""
+
+    at_start: bool = True  # evaluate the initial weights before training
+    at_end: bool = True  # evaluate the final weights after training
 
 
 @dataclass

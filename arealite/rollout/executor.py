@@ -208,20 +208,27 @@ class WorkflowExecutor:
         """
         batch = self.staleness.batch_size
         while True:
-            while self._input.qsize() < batch:
-                fresh_epoch = self._data_iter is None
-                if fresh_epoch:
-                    self._data_iter = iter(dataloader)
-                try:
-                    rows = next(self._data_iter)
-                except StopIteration:  # new epoch
-                    self._data_iter = None
-                    if fresh_epoch:
-                        raise ValueError("prepare_batch: the dataloader yields no batches (empty dataset?)")
-                    continue
-                for row in rows:
-                    self.submit(row, workflow)
+            self._feed(dataloader, workflow)
             try:
-                return self.wait(batch, timeout=0.5)
+                result = self.wait(batch, timeout=0.5)
             except TimeoutError:
                 continue
+            self._feed(dataloader, workflow)  # so generation continues while the caller trains
+            return result
+
+    def _feed(self, dataloader: Iterable, workflow: "RolloutWorkflow") -> None:
+        """Keep ``(η + 1) · B`` episodes waiting in the input queue (what admission can use)."""
+        target = (self.staleness.eta + 1) * self.staleness.batch_size
+        while self._input.qsize() < target:
+            fresh_epoch = self._data_iter is None
+            if fresh_epoch:
+                self._data_iter = iter(dataloader)
+            try:
+                rows = next(self._data_iter)
+            except StopIteration:  # new epoch
+                self._data_iter = None
+                if fresh_epoch:
+                    raise ValueError("prepare_batch: the dataloader yields no batches (empty dataset?)")
+                continue
+            for row in rows:
+                self.submit(row, workflow)

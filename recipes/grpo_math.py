@@ -1,0 +1,159 @@
+"""Asynchronous GRPO on math: the arealite main job, as one explicit training loop.
+
+    torchrun --nproc_per_node=1 recipes/grpo_math.py            # embedded defaults (CPU is fine)
+    python recipes/grpo_math.py --config recipes/configs/grpo_math.yaml --actor.optimizer.lr 2e-5
+    python recipes/grpo_math.py --train_dataset.path ../shared/data/gsm8k/train.jsonl \
+        --gconfig.max_new_tokens 256 --actor.path /models/Qwen2.5-0.5B-Instruct
+
+Per step: take a batch of finished rollouts (generated asynchronously, at most
+``rollout.max_head_offpolicyness`` versions old) → GRPO update → push the new weights to the
+inference servers (pause → save → load → version bump → resume) → log.
+Outputs under ``fileroot/experiment_name/trial_name/``: ``stats.jsonl``, ``tensorboard/``,
+``rollouts/rollouts.jsonl``, ``final/`` (HF checkpoint), server logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from arealite.algorithms.grpo import GRPO
+from arealite.api.config import GRPOConfig, load_config, to_dict
+from arealite.api.io_struct import WeightUpdateMeta
+from arealite.dataset.math_data import load_dataset
+from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.evaluate import aevaluate
+from arealite.launcher.local import make_inference_engine, trainer_threads
+from arealite.reward.math import math_reward
+from arealite.utils.hf import load_tokenizer, resolve_model_path
+from arealite.utils.stats_logger import StatsLogger
+from arealite.workflow.rlvr import RLVRWorkflow
+
+
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = load_config(GRPOConfig, argv)
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    random.seed(config.seed + rank)
+    torch.manual_seed(config.seed)
+    out = config.output_dir
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(config), f)
+    if config.train_dataset.batch_size % world or config.rollout.consumer_batch_size % world:
+        raise ValueError(f"train_dataset.batch_size and rollout.consumer_batch_size must be divisible by {world} ranks")
+
+    # Data, model path, tokenizer (cheap checks before anything expensive).
+    train_rows = load_dataset(config.train_dataset.path, "train", config.train_dataset.size, config.seed)
+    valid_rows = load_dataset(config.valid_dataset.path, "test", config.valid_dataset.size, config.seed)
+    model_path = resolve_model_path(config.actor.path)
+    tokenizer = load_tokenizer(model_path)
+    sampler = DistributedSampler(train_rows, num_replicas=world, rank=rank, shuffle=config.train_dataset.shuffle, seed=config.seed)
+    dataloader = StatefulDataLoader(train_rows, batch_size=config.train_dataset.batch_size // world, sampler=sampler,
+                                    collate_fn=lambda rows: rows)
+
+    # Engines: inference servers (launched unless addresses are given), FSDP2 actor, optional reference.
+    torch.set_num_threads(config.actor.num_threads or trainer_threads(config.rollout, world))
+    rollout = make_inference_engine(config.rollout, model_path, os.path.join(out, "logs"), config.seed)
+    actor = FSDPEngine(config.actor, temperature=config.gconfig.temperature)
+    actor.initialize(model_path, config.total_train_steps)
+    ref = None
+    if config.algo.kl_coef > 0:
+        ref = FSDPEngine(config.actor, temperature=config.gconfig.temperature, trainable=False)
+        ref.initialize(model_path)
+    algo = GRPO(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref)
+    workflow = RLVRWorkflow(math_reward, config.gconfig, tokenizer,
+                            dump_dir=os.path.join(out, "rollouts") if rank == 0 else None)
+    stats_logger = StatsLogger(out, rank, config.total_train_steps)
+    eta = config.rollout.max_head_offpolicyness
+    weight_dir = os.path.join(out, "weight_update")
+
+    def evaluate() -> float:  # greedy held-out accuracy through the servers (rank 0)
+        return asyncio.run(aevaluate(rollout, tokenizer, valid_rows, config.gconfig)) if rank == 0 else 0.0
+
+    summary = {"eval/accuracy_start": evaluate()} if config.evaluator.at_start else {}
+    prev_train_end = 0.0
+    trained_samples, run_start = 0, time.time()
+    for step in range(config.total_train_steps):
+        version = step  # weights the servers hold = completed updates
+        # 1. Rollouts: asynchronous; generation of the next batches continues during training.
+        t0 = time.time()
+        batch = rollout.prepare_batch(dataloader, workflow)
+        t1 = time.time()
+        # 2. GRPO update (recompute proximal logprobs, advantages, PPO minibatches).
+        stats = algo.update(batch)
+        t2 = time.time()
+        # 3. Weight sync: pause → save → servers load → version bump → resume.
+        rollout.pause()
+        meta = WeightUpdateMeta(type="disk", path=weight_dir, version=version + 1)
+        if rank == 0:
+            rollout.pause_generation()
+        actor.upload_weights(meta)
+        if rank == 0:
+            rollout.update_weights(meta)
+            rollout.continue_generation()
+        dist.barrier()
+        actor.set_version(version + 1)
+        rollout.set_version(version + 1)
+        rollout.resume()
+        t3 = time.time()
+
+        # 4. Logging: reward, staleness (trainer version − oldest token version), overlap evidence.
+        gen = batch["versions"][batch["versions"] >= 0]
+        n_rows = batch["rewards"].numel()
+        overlap = float((batch["rollout_start_time"] < prev_train_end).sum())
+        reward_sum, tokens, no_eos, overlap, n_all = all_reduce(
+            [float(batch["rewards"].sum()), float(batch["attention_mask"].sum()), float(batch["no_eos"].sum()), overlap, n_rows]
+        )
+        stale_max, = all_reduce([float(version - gen.min()) if gen.numel() else 0.0], dist.ReduceOp.MAX)
+        trained_samples += int(n_all)
+        stats.update({
+            "rollout/reward": reward_sum / n_all,
+            "rollout/staleness_max": stale_max,
+            "rollout/no_eos_ratio": no_eos / n_all,
+            "rollout/overlap_frac": overlap / n_all,  # rows whose generation began before the previous update ended
+            "rollout/dropped_stale": float(rollout.executor.staleness.stat.dropped_stale),
+            "rollout/failed": float(rollout.executor.staleness.stat.failed),
+            "time/gen_wait_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
+            "time/train_start": t1, "time/train_end": t2,
+            "time/batch_rollout_start_min": float(batch["rollout_start_time"].min()),
+            "perf/trained_tokens_per_s": tokens / (t3 - t0),
+            "perf/trained_samples_per_s": trained_samples / (t3 - run_start),
+        })
+        stats = {f"actor/{k}" if "/" not in k else k: v for k, v in stats.items()}
+        prev_train_end = t2
+        if config.saver.freq_steps and (step + 1) % config.saver.freq_steps == 0:
+            actor.save(os.path.join(out, "checkpoints", f"step{step + 1}"))
+        stats_logger.commit(step, stats)
+
+    actor.save(os.path.join(out, "final"))
+    if config.evaluator.at_end:
+        summary["eval/accuracy_end"] = evaluate()
+    summary.update(steps=config.total_train_steps, trained_samples=trained_samples,
+                   trained_samples_per_s=trained_samples / (time.time() - run_start))
+    stats_logger.summary(config.total_train_steps, {k: float(v) for k, v in summary.items()})
+    stats_logger.close()
+    rollout.destroy()
+    workflow.reward_worker.close()
+    actor.destroy()
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

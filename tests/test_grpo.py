@@ -1,0 +1,154 @@
+"""GRPO math: advantages, the clipped/decoupled loss and token alignment, with hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from arealite.algorithms import functional as F
+from arealite.algorithms.grpo import GRPO
+from arealite.api.config import GRPOAlgoConfig
+from arealite.api.io_struct import ModelResponse
+from arealite.workflow.rlvr import build_trajectories
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    adv = F.group_normalize(rewards, group_size=4, use_std=True, eps=0.0)
+    # group 1: mean 0.25, std sqrt(0.1875)=0.4330127; group 2: mean 0.75, same std
+    s = math.sqrt(0.1875)
+    expected = torch.tensor([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s, 0.25 / s, 0.25 / s, -0.75 / s, 0.25 / s])
+    torch.testing.assert_close(adv, expected)
+
+
+def test_group_normalisation_is_per_group_not_global():
+    # A helper that normalised the wrong rows after the first group would mix these.
+    rewards = torch.tensor([0.0, 1.0, 10.0, 12.0])
+    adv = F.group_normalize(rewards, group_size=2, use_std=False)
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, -1.0, 1.0]))
+
+
+def test_all_equal_group_has_zero_advantage_and_no_nan():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    adv = F.group_normalize(rewards, group_size=3)
+    assert torch.equal(adv, torch.zeros(6))
+    assert not torch.isnan(adv).any()
+
+
+def test_group_size_must_divide_batch():
+    with pytest.raises(ValueError, match="group_size"):
+        F.group_normalize(torch.zeros(5), group_size=2)
+
+
+def test_ppo_loss_hand_computed_with_clipping():
+    # 1 row, 3 tokens; token 0 is a prompt token (masked).
+    logp = torch.tensor([[0.0, math.log(0.6), math.log(0.2)]], requires_grad=True)
+    prox = torch.tensor([[0.0, math.log(0.4), math.log(0.4)]])
+    adv = torch.tensor([[0.0, 1.0, -1.0]])
+    mask = torch.tensor([[0, 1, 1]])
+    loss, stats = F.ppo_actor_loss(logp, prox, prox, adv, mask, eps_clip=0.2)
+    # token1: r=1.5, A=1 -> max(-1.5, -1.2) = -1.2 (clipped); token2: r=0.5, A=-1 -> max(0.5, 0.8) = 0.8
+    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, abs=1e-6)
+    assert stats["clip_frac"].item() == pytest.approx(1.0)
+    loss.backward()
+    # both tokens clipped -> zero gradient; masked prompt token -> zero gradient
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+def test_on_policy_ratio_is_one_and_clip_frac_zero():
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.9]])).requires_grad_()
+    adv = torch.tensor([[2.0, 2.0, 2.0]])
+    loss, stats = F.ppo_actor_loss(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3))
+    assert loss.item() == pytest.approx(-2.0)
+    assert stats["clip_frac"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.full((1, 3), -2.0 / 3))
+
+
+def test_decoupled_weight_and_cap():
+    logp = torch.log(torch.tensor([[0.5, 0.5]]))
+    prox = torch.log(torch.tensor([[0.5, 0.5]]))
+    behav = torch.log(torch.tensor([[0.25, 0.05]]))  # weights 2 and 10
+    adv = torch.tensor([[1.0, 1.0]])
+    loss, stats = F.ppo_actor_loss(logp, prox, behav, adv, torch.ones(1, 2), behav_imp_weight_cap=5.0)
+    # token 2 masked by the cap; token 1: w=2, r=1 -> -2; mean over 1 remaining token
+    assert loss.item() == pytest.approx(-2.0)
+    assert stats["masked_by_cap"].item() == 1.0
+
+
+def test_asymmetric_clip_higher():
+    logp = torch.log(torch.tensor([[0.65]]))
+    prox = torch.log(torch.tensor([[0.5]]))  # r = 1.3
+    loss, _ = F.ppo_actor_loss(logp, prox, prox, torch.ones(1, 1), torch.ones(1, 1), eps_clip=0.2, eps_clip_high=0.28)
+    assert loss.item() == pytest.approx(-1.28, abs=1e-6)
+
+
+def test_k3_kl_is_finite_at_extreme_log_ratios():
+    logp = torch.tensor([-100.0, 0.0, -1e-3], requires_grad=True)
+    ref = torch.tensor([0.0, -100.0, -1e-3])
+    kl = F.kl_k3(logp, ref)
+    assert torch.isfinite(kl).all() and kl[2].item() == pytest.approx(0.0, abs=1e-9)
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_gather_logprobs_alignment_and_temperature():
+    # logits[:, t] scores token t+1; output index t+1 holds it, index 0 is 0.
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, 5)
+    ids = torch.tensor([[3, 1, 4, 2]])
+    out = F.gather_logprobs(logits, ids, temperature=0.5)
+    ref = torch.log_softmax(logits / 0.5, -1)
+    assert out[0, 0] == 0
+    for t in range(1, 4):
+        assert out[0, t].item() == pytest.approx(ref[0, t - 1, ids[0, t]].item(), abs=1e-6)
+
+
+def test_trajectory_layout_aligns_loss_mask_logprobs_versions():
+    r1 = ModelResponse(input_tokens=[10, 11, 12], output_tokens=[5, 6], output_logprobs=[-0.1, -0.2],
+                       output_versions=[3, 4], stop_reason="stop")
+    r2 = ModelResponse(input_tokens=[10, 11, 12], output_tokens=[7], output_logprobs=[-0.3],
+                       output_versions=[4], stop_reason="length")
+    t = build_trajectories([r1, r2], [1.0, 0.0])
+    assert t["input_ids"].tolist() == [[10, 11, 12, 5, 6], [10, 11, 12, 7, 0]]
+    assert t["loss_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]]
+    assert t["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    torch.testing.assert_close(t["logprobs"], torch.tensor([[0, 0, 0, -0.1, -0.2], [0, 0, 0, -0.3, 0]]))
+    assert t["versions"].tolist() == [[-1, -1, -1, 3, 4], [-1, -1, -1, 4, -1]]
+    assert t["no_eos"].tolist() == [False, True]
+
+
+class _FakeActor:
+    """Records what GRPO sends to the engine; logprobs = stored behaviour logprobs (on-policy)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, batch):
+        return batch["logprobs"].clone()
+
+    def train_batch(self, batch, loss_fn, loss_weight_fn):
+        loss = loss_fn(batch["logprobs"].clone().requires_grad_(), batch)
+        self.calls.append((batch, float(loss), loss_weight_fn(batch)))
+        return {"loss": float(loss)}
+
+
+def test_grpo_update_uses_group_advantages_on_generated_tokens_only():
+    actor = _FakeActor()
+    algo = GRPO(GRPOAlgoConfig(n_minibatches=2), actor, group_size=2)
+    batch = build_trajectories(
+        [ModelResponse([1, 2], [3], [-0.5], [0], "stop"), ModelResponse([1, 2], [4, 5], [-0.1, -0.2], [0, 0], "stop"),
+         ModelResponse([1], [6], [-0.3], [0], "stop"), ModelResponse([1], [7], [-0.4], [0], "stop")],
+        [1.0, 0.0, 1.0, 1.0],
+    )
+    stats = algo.update(batch)
+    assert len(actor.calls) == 2  # two minibatches of one group each
+    mb0, loss0, w0 = actor.calls[0]
+    # group 1: advantages +1/-1 (std-normalised, eps tiny), only on generated tokens
+    torch.testing.assert_close(mb0["advantages"], torch.tensor([[0, 0, 1.0, 0], [0, 0, -1.0, -1.0]]), atol=1e-5, rtol=0)
+    assert w0 == 3.0
+    # on-policy: loss = -(1 - 1 - 1)/3 = 1/3
+    assert loss0 == pytest.approx(1.0 / 3.0, abs=1e-5)
+    _, loss1, _ = actor.calls[1]
+    assert loss1 == 0.0  # all-equal group
+    assert stats["actor/clip_frac"] == 0.0

@@ -1,0 +1,180 @@
+"""Admission/staleness rule and the asynchronous executor, with a fake in-process engine."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from arealite.api.config import InferenceEngineConfig
+from arealite.api.workflow import RolloutWorkflow
+from arealite.rollout.executor import WorkflowExecutor
+from arealite.rollout.staleness import StalenessManager
+
+
+def test_capacity_formula():
+    m = StalenessManager(consumer_batch_size=4, max_concurrent_rollouts=100, max_head_offpolicyness=1)
+    assert m.capacity(version=0) == 8  # (η + v + 1)·B
+    for _ in range(5):
+        m.on_start()
+    assert m.capacity(0) == 3
+    for _ in range(5):
+        m.on_finish(accepted=True)
+    assert m.capacity(0) == 3  # accepted is cumulative
+    assert m.capacity(1) == 7
+    m2 = StalenessManager(4, max_concurrent_rollouts=2, max_head_offpolicyness=0)
+    m2.on_start()
+    assert m2.capacity(0) == 1  # bounded by concurrency
+
+
+def test_rejected_episodes_free_capacity():
+    m = StalenessManager(2, 10, 0)
+    m.on_start()
+    m.on_start()
+    assert m.capacity(0) == 0
+    m.on_finish(accepted=False)
+    assert m.capacity(0) == 1 and m.stat.rejected == 1
+
+
+def test_freshness_rule():
+    m = StalenessManager(1, 1, max_head_offpolicyness=2)
+    assert m.is_fresh(3, version=5)
+    assert not m.is_fresh(2, version=5)
+    assert m.is_fresh(-1, version=100)  # no generated tokens
+
+
+@pytest.mark.parametrize("field,value", [("consumer_batch_size", 0), ("max_head_offpolicyness", -1)])
+def test_bad_staleness_config_names_the_field(field, value):
+    kwargs = dict(consumer_batch_size=1, max_concurrent_rollouts=1, max_head_offpolicyness=0)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=field):
+        StalenessManager(**kwargs)
+
+
+class FakeEngine:
+    """Stands in for the inference engine: 'generation' takes `gen_time` seconds and every token is
+    tagged with the executor version at the time it finishes (like the server's weight_version)."""
+
+    def __init__(self, gen_time=0.05):
+        self.gen_time = gen_time
+        self.executor = None
+
+
+class FakeWorkflow(RolloutWorkflow):
+    def __init__(self, fail_on=()):
+        self.fail_on = set(fail_on)
+        self.starts = []  # (time, row id)
+
+    async def arun_episode(self, engine, data):
+        self.starts.append((time.time(), data["id"]))
+        if data["id"] in self.fail_on:
+            raise RuntimeError("boom in one episode")
+        await asyncio.sleep(engine.gen_time)
+        v = engine.executor.get_version()
+        return {
+            "input_ids": torch.tensor([[1, 2, 3]]),
+            "attention_mask": torch.ones(1, 3, dtype=torch.bool),
+            "loss_mask": torch.tensor([[0, 1, 1]]),
+            "logprobs": torch.zeros(1, 3),
+            "versions": torch.tensor([[-1, v, v]]),
+            "rewards": torch.tensor([float(data["id"])]),
+        }
+
+
+def make_executor(eta, batch=4, gen_time=0.05):
+    engine = FakeEngine(gen_time)
+    cfg = InferenceEngineConfig(consumer_batch_size=batch, max_head_offpolicyness=eta, max_concurrent_rollouts=64)
+    ex = WorkflowExecutor(cfg, engine)
+    engine.executor = ex
+    ex.initialize()
+    return ex
+
+
+def test_episode_exception_does_not_kill_the_loop():
+    ex = make_executor(eta=0)
+    wf = FakeWorkflow(fail_on={1})
+    try:
+        for i in range(4):
+            ex.submit({"id": i}, wf)
+        out = ex.wait(3, timeout=10)
+        assert sorted(out["rewards"].tolist()) == [0.0, 2.0, 3.0]
+        assert ex.staleness.stat.failed == 1
+        ex.submit({"id": 7}, wf)  # loop still alive
+        assert ex.wait(1, timeout=10)["rewards"].tolist() == [7.0]
+    finally:
+        ex.destroy()
+
+
+def test_wait_times_out_without_losing_results():
+    ex = make_executor(eta=0, gen_time=0.01)
+    wf = FakeWorkflow()
+    try:
+        ex.submit({"id": 1}, wf)
+        with pytest.raises(TimeoutError):
+            ex.wait(2, timeout=0.5)
+        ex.submit({"id": 2}, wf)
+        assert sorted(ex.wait(2, timeout=10)["rewards"].tolist()) == [1.0, 2.0]
+    finally:
+        ex.destroy()
+
+
+def test_stale_trajectory_is_dropped_never_returned():
+    ex = make_executor(eta=1)
+    try:
+        old = {"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 2, dtype=torch.bool),
+               "loss_mask": torch.tensor([[0, 1]]), "logprobs": torch.zeros(1, 2),
+               "versions": torch.tensor([[-1, 0]]), "rewards": torch.tensor([-1.0])}
+        fresh = dict(old, versions=torch.tensor([[-1, 2]]), rewards=torch.tensor([5.0]))
+        ex.staleness.stat.accepted = 2
+        ex._output.put(old)
+        ex._output.put(fresh)
+        ex.set_version(3)  # bound: oldest token version >= 3 - 1 = 2
+        out = ex.wait(1, timeout=5)
+        assert out["rewards"].tolist() == [5.0]
+        assert ex.staleness.stat.dropped_stale == 1
+    finally:
+        ex.destroy()
+
+
+def run_training(eta, steps=4, batch=4, train_time=0.3):
+    """A fake trainer loop: prepare_batch → 'train' (sleep) → version bump. Returns per-step
+    (staleness, number of rows whose generation began before the previous training step ended,
+    rows)."""
+    ex = make_executor(eta, batch=batch)
+    wf = FakeWorkflow()
+    data = [[{"id": i * batch + j} for j in range(batch)] for i in range(1000)]
+    results = []
+    prev_train_end = 0.0
+    try:
+        for step in range(steps):
+            b = ex.prepare_batch(data, wf)
+            gen = b["versions"][b["versions"] >= 0]
+            staleness = step - int(gen.min())
+            started_early = int((b["rollout_start_time"] < prev_train_end).sum())
+            time.sleep(train_time)  # training; the rollout thread keeps generating if allowed
+            ex.pause()
+            ex.set_version(step + 1)
+            ex.resume()
+            prev_train_end = time.time()
+            results.append((staleness, started_early, b["rewards"].numel()))
+    finally:
+        ex.destroy()
+    return results
+
+
+def test_async_mode_overlaps_and_never_exceeds_the_bound():
+    results = run_training(eta=1)
+    assert all(s <= 1 for s, _, _ in results), results
+    # generation for step k+1 began before training of step k ended (overlap), for every row
+    assert all(n == rows for _, n, rows in results[1:]), results
+
+
+def test_sync_mode_never_generates_during_training():
+    results = run_training(eta=0)
+    assert all(s == 0 for s, _, _ in results), results
+    assert all(n == 0 for _, n, _ in results), results
+
+
+def test_bound_two_allows_at_most_two_versions_of_staleness():
+    results = run_training(eta=2, steps=5, train_time=0.2)
+    assert all(s <= 2 for s, _, _ in results), results
