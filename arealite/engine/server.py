@@ -197,7 +197,8 @@ def load_weights_from_disk(model: torch.nn.Module, path: str) -> int:
     Every tensor is validated (known key, same shape) and every expected parameter must be
     present -- except ones tied to a present parameter, e.g. ``lm_head.weight`` with
     ``tie_word_embeddings`` -- before anything is copied, so on error the old weights stay.
-    Returns the number of tensors loaded; raises ``ValueError`` with a readable message.
+    Tensors the model does not know are ignored (``strict=False``).
+    Returns ``(num_loaded, unexpected_keys)``; raises ``ValueError`` with a readable message.
     """
     from safetensors.torch import load_file
 
@@ -220,9 +221,9 @@ def load_weights_from_disk(model: torch.nn.Module, path: str) -> int:
         loaded.update(load_file(file_path))
 
     expected = model.state_dict()
+    unexpected = [k for k in loaded if k not in expected]  # ignored, like strict=False
+    loaded = {k: v for k, v in loaded.items() if k in expected}
     for key, tensor in loaded.items():
-        if key not in expected:
-            raise ValueError(f"unexpected tensor {key!r}: not a parameter of the live model")
         if tuple(tensor.shape) != tuple(expected[key].shape):
             raise ValueError(f"shape mismatch for {key!r}: file has {tuple(tensor.shape)}, "
                              f"model expects {tuple(expected[key].shape)}")
@@ -237,7 +238,7 @@ def load_weights_from_disk(model: torch.nn.Module, path: str) -> int:
     with torch.no_grad():
         model.load_state_dict({k: v.to(expected[k].dtype) for k, v in loaded.items()},
                               strict=False)
-    return len(loaded)
+    return len(loaded), unexpected
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -394,7 +395,7 @@ class Scheduler:
         elif msg.kind == "update_weights":
             path, version = msg.payload
             try:
-                n = load_weights_from_disk(self.model, path)
+                n, unexpected = load_weights_from_disk(self.model, path)
             except Exception as exc:
                 _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
                 return
@@ -402,7 +403,8 @@ class Scheduler:
                 self.weight_version = version
             _resolve(msg.loop, msg.future, (200, {
                 "success": True, "num_paused_requests": 0,
-                "message": f"Succeeded to update model weights ({n} tensors from {path}).",
+                "message": f"Succeeded to update model weights ({n} tensors from {path}"
+                           f"{f'; ignored unknown tensors {unexpected[:3]}' if unexpected else ''}).",
             }))
         else:
             raise ValueError(f"unknown message kind {msg.kind!r}")
