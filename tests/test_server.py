@@ -183,6 +183,25 @@ def test_concurrent_requests_match_solo_runs(server):
         assert _logprobs(t) == pytest.approx(_logprobs(s), abs=1e-4)
 
 
+def test_request_joins_running_batch(server):
+    """Continuous batching: a request arriving mid-decode joins the running batch (its
+    prompt is longer than the running row's whole cache) and both match solo runs."""
+    short, long_prompt = [9, 8, 7], list(range(10, 50))
+    solo_a = _generate(server, short, temperature=0, max_new_tokens=80, ignore_eos=True)
+    solo_b = _generate(server, long_prompt, temperature=0, max_new_tokens=20, ignore_eos=True)
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(_generate, server, short, temperature=0, max_new_tokens=80,
+                        ignore_eos=True)
+        time.sleep(0.15)  # >= 5 ms per step on the test server: `a` is still decoding
+        assert not a.done()
+        b = _generate(server, long_prompt, temperature=0, max_new_tokens=20, ignore_eos=True)
+        assert not a.done()  # b ran while a was running
+        a = a.result(timeout=60)
+    for solo, got in ((solo_a, a), (solo_b, b)):
+        assert got["output_ids"] == solo["output_ids"]
+        assert _logprobs(got) == pytest.approx(_logprobs(solo), abs=1e-4)
+
+
 def test_sampling_logprobs_are_after_temperature(server, models):
     model = models["a"][0]
     for extra in ({}, {"top_k": 20, "top_p": 0.8}):
@@ -305,8 +324,11 @@ def test_pause_aborts_running_and_holds_new_requests(server):
         assert len(out["output_ids"]) == 5
 
 
-def test_update_weights_from_disk(server, models):
-    model_b, path_b = models["b"]
+def test_update_weights_from_disk(server, models, tmp_path):
+    model_b, _ = models["b"]
+    path_b = str(tmp_path / "sharded")
+    model_b.save_pretrained(path_b, max_shard_size="20KB")  # exercises the index.json path
+    assert os.path.exists(os.path.join(path_b, "model.safetensors.index.json"))
     status, out = _post(server + "/update_weights_from_disk",
                         {"model_path": path_b, "weight_version": 5})
     assert status == 200 and out["success"] is True and out["num_paused_requests"] == 0

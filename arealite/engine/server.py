@@ -20,7 +20,8 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
 - ``POST /update_weights_from_disk`` (safetensors, applied between decode steps).
 
 Not implemented: text prompts, streaming, ``n > 1``, stop strings, penalties, min_p,
-distributed weight updates, LoRA, input logprobs.
+distributed weight updates, LoRA, input logprobs, sliding-window KV caches (the cache
+padding/merging below assumes full-attention ``DynamicLayer`` caches).
 
 Design: the model lives in ONE scheduler thread.  HTTP handlers (aiohttp, event-loop thread)
 put messages on a thread-safe queue and await an asyncio future that the scheduler resolves
@@ -401,11 +402,11 @@ class Scheduler:
                 return
             if version is not None:
                 self.weight_version = version
+            message = f"Succeeded to update model weights ({n} tensors from {path})."
+            if unexpected:
+                message += f" Ignored {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}."
             _resolve(msg.loop, msg.future, (200, {
-                "success": True, "num_paused_requests": 0,
-                "message": f"Succeeded to update model weights ({n} tensors from {path}"
-                           f"{f'; ignored unknown tensors {unexpected[:3]}' if unexpected else ''}).",
-            }))
+                "success": True, "message": message, "num_paused_requests": 0}))
         else:
             raise ValueError(f"unknown message kind {msg.kind!r}")
 
