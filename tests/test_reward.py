@@ -1,14 +1,10 @@
-"""Tests for arealite.reward.math and arealite.reward.worker.
-
-The RewardWorker helpers below are module-level so the spawn start method can
-pickle them by reference (the worker re-imports this module by name; spawned
-children inherit the parent's sys.path, which pytest sets up to import it).
-"""
+"""Tests for arealite.reward.math and arealite.reward.worker."""
 
 import asyncio
 import logging
 import multiprocessing
 import os
+import sys
 import time
 
 import pytest
@@ -22,26 +18,10 @@ from arealite.reward.math import (
 from arealite.reward.worker import RewardWorker
 
 
-# ---------------------------------------------------------------- helpers (spawn)
-def add(a, b):
-    return a + b
-
-
-def sleep_forever(seconds=30.0):
-    time.sleep(seconds)
-    return 1.0
-
-
-def hard_exit():
-    os._exit(1)
-
-
-def raise_error():
-    raise ZeroDivisionError("boom in reward fn")
-
-
-def not_a_number():
-    return "not a float"
+# Helpers for the spawned workers live in tests/reward_fns.py, imported by
+# module name so spawn can pickle them whatever pytest's import mode is.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reward_fns import add, hard_exit, not_a_number, raise_error, sleep_forever  # noqa: E402
 
 
 # ---------------------------------------------------------------- math_reward
@@ -165,7 +145,7 @@ def test_worker_timeout_kills_and_recovers(caplog):
             elapsed = time.monotonic() - t0
         assert elapsed < 10, elapsed
         msgs = [r.getMessage() for r in caplog.records if r.name == "arealite.reward"]
-        assert any("sleep_forever" in m and "timed out after 2.0 s" in m for m in msgs), msgs
+        assert any("reward_fns.sleep_forever" in m and "timed out after 2.0 s" in m for m in msgs), msgs
         # the hung worker was killed
         for pid in old_pids:
             with pytest.raises(ProcessLookupError):
@@ -230,13 +210,24 @@ def test_worker_concurrent_timeouts_in_background_loop():
         assert result["timeouts"] == [0.0, 0.0]
         assert result["gen"] in (1, 2)
         assert result["after"] == [1.0, 2.0, 3.0, 4.0]
-        # no leaked processes: only the current pool's workers are alive
-        live = multiprocessing.active_children()
-        assert len(live) <= 2, live
-        assert {p.pid for p in live} <= set(w._pool._processes)
+        # no leaked processes: only the current pool's workers stay alive
+        # (killed ones are reaped asynchronously, so poll briefly)
+        current = set(w._pool._processes)
+        assert len(current) <= 2
+        live = _wait_children(lambda pids: pids <= current)
+        assert {p.pid for p in live} <= current, live
     finally:
         w.close()
-    assert multiprocessing.active_children() == []
+    assert _wait_children(lambda pids: not pids) == []
+
+
+def _wait_children(done, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        live = multiprocessing.active_children()
+        if done({p.pid for p in live}) or time.monotonic() > deadline:
+            return live
+        time.sleep(0.1)
 
 
 def test_replace_pool_guard_from_threads():

@@ -1,0 +1,31 @@
+"""Module-level reward functions for the RewardWorker tests.
+
+They live in their own small module (not in the test module) so the spawn start
+method can pickle them by reference under any pytest import mode: the test adds
+this folder to sys.path, spawned workers inherit sys.path and import
+``reward_fns`` by name.
+"""
+
+import os
+import time
+
+
+def add(a, b):
+    return a + b
+
+
+def sleep_forever(seconds=30.0):
+    time.sleep(seconds)
+    return 1.0
+
+
+def hard_exit():
+    os._exit(1)
+
+
+def raise_error():
+    raise ZeroDivisionError("boom in reward fn")
+
+
+def not_a_number():
+    return "not a float"
