@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         t3 = time.time()
 
         # 4. Logging: reward, staleness (trainer version − oldest token version), overlap evidence.
-        gen = batch["versions"][batch["versions"] >= 0]
+        gen = batch["versions"][batch["loss_mask"].bool()]  # versions of the trained tokens
         n_rows = batch["rewards"].numel()
         overlap = float((batch["rollout_start_time"] < prev_train_end).sum())
         reward_sum, tokens, no_eos, overlap, n_all = all_reduce(

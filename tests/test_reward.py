@@ -261,3 +261,10 @@ def test_worker_closed_raises():
     w.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         w.compute(add, 1, 2)
+
+
+def test_restating_the_question_earns_no_reward():
+    # math_verify would evaluate "10 + 45" to 55; the final number literal is 45.
+    assert math_reward("10 + 45 is the answer.", "55") == 0.0
+    assert math_reward("To solve this, add 10 + 45.", "55") == 0.0
+    assert math_reward("10 + 45 = 55", "55") == 1.0

@@ -178,3 +178,13 @@ def test_sync_mode_never_generates_during_training():
 def test_bound_two_allows_at_most_two_versions_of_staleness():
     results = run_training(eta=2, steps=5, train_time=0.2)
     assert all(s <= 2 for s, _, _ in results), results
+
+
+def test_concatenated_batches_pad_versions_with_minus_one():
+    from arealite.utils.data import concat_padded
+
+    a = {"versions": torch.tensor([[-1, 3, 3]]), "loss_mask": torch.tensor([[0, 1, 1]])}
+    b = {"versions": torch.tensor([[-1, 4]]), "loss_mask": torch.tensor([[0, 1]])}
+    out = concat_padded([a, b])
+    assert out["versions"].tolist() == [[-1, 3, 3], [-1, 4, -1]]  # padding is never "version 0"
+    assert out["loss_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]

@@ -19,23 +19,25 @@ def gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: 
     """Token-aligned log-probabilities of ``input_ids`` under ``softmax(logits / temperature)``.
 
     Args:
-        logits: [B, T, V] (any float dtype; computed in float32). ``logits[:, t]`` predicts
-            token t+1.
+        logits: [B, K, V] logits of the LAST K positions (K ≤ T; K = T for a full forward,
+            smaller with HF ``logits_to_keep=K``), any float dtype (computed in float32).
+            ``logits[:, j]`` is at position ``T - K + j`` and predicts the token after it.
         input_ids: [B, T] int64.
         temperature: the sampling temperature (0 or 1 means no scaling, matching the greedy
             convention of SGLang and our server).
 
     Returns:
-        [B, T] float32 where ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` for t ≥ 1
-        and ``out[:, 0] = 0``.
+        [B, T] float32 where ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` for
+        ``t ≥ T - K + 1`` and 0 for earlier positions (always ``out[:, 0] = 0``).
     """
+    T, K = input_ids.shape[1], logits.shape[1]
     logits = logits[:, :-1].float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
-    labels = input_ids[:, 1:]
-    # log p(label) = logit[label] - logsumexp(logits): never materialises a second [B, T, V].
+    labels = input_ids[:, T - K + 1 :]
+    # log p(label) = logit[label] - logsumexp(logits): never materialises a second [B, K, V].
     lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    return torch.nn.functional.pad(lp, (1, 0), value=0.0)
+    return torch.nn.functional.pad(lp, (T - K + 1, 0), value=0.0)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

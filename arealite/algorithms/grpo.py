@@ -10,9 +10,11 @@ arXiv 2505.24298, Eq. 5)::
     ℓ_t   = w_t · max(-A_i u_t, -A_i clip(u_t, 1-ε, 1+ε_high)) + β · k3(π_θ, π_ref)_t
     L     = Σ_{i,t} ℓ_t · mask_t / Σ_{i,t} mask_t              # token mean over the global batch
 
-``π_prox`` is recomputed by a forward pass of the actor before the update when
-``use_decoupled_loss`` (or when several minibatches make later ones off-policy); otherwise
-``π_prox = π_behav`` and w = 1 (standard PPO/GRPO).
+With ``use_decoupled_loss``, ``π_prox`` is the policy before this update: with one minibatch
+it is the training forward's own detached logprobs (same weights, no extra pass); with several
+minibatches it is recomputed by a forward pass before the first one. Without it,
+``π_prox = π_behav`` and w = 1 (standard PPO/GRPO, clipping around the possibly stale
+behaviour policy).
 
 Config: :class:`arealite.api.config.GRPOAlgoConfig`.
 """
@@ -44,13 +46,16 @@ class GRPO(Algorithm):
 
     def prepare(self, batch: Batch) -> Batch:
         """Adds ``advantages`` [B, T] (group-normalised reward on generated tokens, 0 elsewhere),
-        ``prox_logp`` [B, T] and, with KL, ``ref_logp`` [B, T]."""
+        ``prox_logp`` [B, T] (unless the training forward provides it, see the module doc) and,
+        with KL, ``ref_logp`` [B, T]."""
         adv = F.group_normalize(batch["rewards"], self.group_size, self.config.adv_norm_std)  # [B]
         batch["advantages"] = adv[:, None] * batch["loss_mask"].float()  # [B, T]
-        if self.config.use_decoupled_loss or self.config.n_minibatches > 1:
+        if self.config.n_minibatches > 1:
             batch["prox_logp"] = self.actor.forward(batch)
-        else:
+        elif not self.config.use_decoupled_loss:
             batch["prox_logp"] = batch["logprobs"]
+        # else: one minibatch — π_prox are the weights of this very update, so the training
+        # forward's own (detached) logprobs are exactly π_prox: no extra forward pass needed.
         if self.ref is not None:
             batch["ref_logp"] = self.ref.forward(batch)
         return batch
@@ -58,8 +63,9 @@ class GRPO(Algorithm):
     def loss_fn(self, logprobs: torch.Tensor, mb: Batch) -> torch.Tensor:
         """Token-mean GRPO loss of one micro-batch (weights: :meth:`loss_weight_fn`)."""
         c = self.config
+        prox_logp = mb["prox_logp"] if "prox_logp" in mb else logprobs.detach()
         loss, stats = F.ppo_actor_loss(
-            logprobs, mb["prox_logp"], mb["logprobs"], mb["advantages"], mb["loss_mask"],
+            logprobs, prox_logp, mb["logprobs"], mb["advantages"], mb["loss_mask"],
             c.eps_clip, c.eps_clip_high, c.behav_imp_weight_cap,
         )
         if c.kl_coef > 0:

@@ -155,9 +155,18 @@ class FSDPEngine(TrainEngine):
         return out
 
     def _logprobs(self, mb: Batch) -> torch.Tensor:
+        """Token-aligned logprobs [b, T] of one micro-batch. With a ``loss_mask``, the LM head
+        only runs from the position before the earliest loss token on (prompt positions
+        need no logits), which saves a large share of the compute for long prompts."""
         mask = mb["attention_mask"].long()
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = self.model(input_ids=mb["input_ids"], attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+        T = mask.shape[1]
+        keep = T
+        if "loss_mask" in mb and mb["loss_mask"].any():
+            first = int(mb["loss_mask"].bool().float().argmax(1)[mb["loss_mask"].any(1)].min())
+            keep = T - max(first - 1, 0)
+        logits = self.model(input_ids=mb["input_ids"], attention_mask=mask, position_ids=position_ids,
+                            use_cache=False, logits_to_keep=keep).logits
         return gather_logprobs(logits, mb["input_ids"], self.temperature) * mask
 
     # -- training --------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ import logging
 import re
 
 logger = logging.getLogger("arealite.reward")
+# math_verify warns on every call that its signal timeouts are disabled: our worker enforces one.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # Only the tail of very long completions is parsed: final answers live at the end,
 # and regex/sympy work on megabytes of text would be needlessly slow.
@@ -117,12 +119,14 @@ def _numeric_fallback(completion: str, answer: str) -> float:
 def math_reward(completion: str, answer: str) -> float:
     """Score a completion against a reference final answer.
 
-    Uses ``math_verify``: the gold answer is parsed from ``"$" + answer + "$"`` and
-    the completion with math_verify's default extraction (handles ``\\boxed{}``,
-    LaTeX, ``1,000`` == ``1000``, ``\\frac{1}{2}`` == ``0.5``; the last answer wins).
-    If math_verify extracts nothing from either side, or raises, falls back to
-    comparing :func:`extract_last_number` of the completion with the answer
-    numerically (absolute difference < 1e-6).  math_verify's own timeouts are
+    * A numeric ``answer`` and no ``\\boxed{}`` in the completion: the last number
+      literal of the completion (:func:`extract_last_number`) must equal the answer
+      (absolute difference < 1e-6). Expressions are not evaluated, so restating the
+      question ("23 + 50") earns nothing.
+    * Otherwise ``math_verify``: the gold answer is parsed from ``"$" + answer + "$"``
+      and the completion with math_verify's default extraction (``\\boxed{}`` first,
+      LaTeX, ``1,000`` == ``1000``, ``\\frac{1}{2}`` == ``0.5``). If it extracts
+      nothing from either side, or raises, the numeric comparison above is used.  math_verify's own timeouts are
     disabled (they only work in the main thread); run this under
     :class:`arealite.reward.worker.RewardWorker` to bound its runtime.
 
@@ -145,6 +149,11 @@ def math_reward(completion: str, answer: str) -> float:
         completion = completion[-MAX_PARSE_CHARS:]
         if len(answer) > MAX_ANSWER_CHARS:
             return _numeric_fallback(completion, answer[-MAX_ANSWER_CHARS:])
+        if "\\boxed" not in completion and _to_float(answer.strip().strip("$")) is not None:
+            # A numeric answer and no \boxed{}: the last number literal must equal it.
+            # math_verify would evaluate a restated question ("23 + 50") as its answer,
+            # which a policy quickly learns to exploit.
+            return _numeric_fallback(completion, answer)
         try:
             from math_verify import parse, verify
 

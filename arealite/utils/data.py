@@ -14,11 +14,16 @@ def pad_and_stack(rows: list[list], pad_value, dtype: torch.dtype) -> torch.Tens
     return out
 
 
+# Padding value per key where 0 would be a meaningful value (version 0 is a real version).
+PAD_VALUES = {"versions": -1}
+
+
 def concat_padded(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Concatenate trajectory dicts along dim 0, right-padding [N, T] tensors to the longest T.
 
     Every dict must have the same keys; [N] tensors are concatenated as they are and [N, T]
-    tensors are padded with 0 (so padding has ``attention_mask = loss_mask = 0``).
+    tensors are padded with ``PAD_VALUES[key]``, default 0 (so padding has
+    ``attention_mask = loss_mask = 0`` and ``versions = -1``).
 
     Raises:
         ValueError: the dicts have different keys (names them).
@@ -34,7 +39,8 @@ def concat_padded(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
         ts = [b[k] for b in batches]
         if ts[0].dim() >= 2:
             width = max(t.shape[1] for t in ts)
-            ts = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in ts]
+            value = PAD_VALUES.get(k, 0)
+            ts = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in ts]
         out[k] = torch.cat(ts, dim=0)
     return out
 
