@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> dict:
     def evaluate() -> float:  # greedy held-out accuracy through the servers (rank 0)
         return asyncio.run(aevaluate(rollout, tokenizer, valid_rows, config.gconfig)) if rank == 0 else 0.0
 
-    summary = {"eval/accuracy_start": evaluate()} if config.evaluator.at_start else {}
+    summary = {}
+    if config.evaluator.at_start:
+        summary["eval/accuracy_start"] = evaluate()
+        if rank == 0:
+            print(f"held-out greedy accuracy before training: {summary['eval/accuracy_start']:.3f} "
+                  f"({len(valid_rows)} problems)", flush=True)
     prev_train_end = 0.0
     trained_samples, run_start = 0, time.time()
     for step in range(config.total_train_steps):

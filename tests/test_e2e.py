@@ -1,5 +1,5 @@
-"""End to end: 2 asynchronous GRPO steps of the real recipe under torchrun with 2 ranks (gloo),
-a tiny random model, and our server launched by the recipe."""
+"""End to end: 2 GRPO steps of the real recipe under torchrun with 2 ranks (gloo), a tiny random
+model, and our server launched by the recipe — asynchronous (η = 1) and synchronous (η = 0)."""
 
 import json
 import os
@@ -17,8 +17,8 @@ def _torchrun(args, cwd, timeout=900):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("eta", [1])
-def test_two_async_grpo_steps_on_two_ranks(tiny_model_dir, tmp_path, eta):
+@pytest.mark.parametrize("eta", [1, 0])
+def test_two_grpo_steps_on_two_ranks(tiny_model_dir, tmp_path, eta):
     proc = _torchrun([
         "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "2",
         "--gconfig.n_samples", "2", "--gconfig.max_new_tokens", "8",
@@ -31,10 +31,15 @@ def test_two_async_grpo_steps_on_two_ranks(tiny_model_dir, tmp_path, eta):
     train_steps = [s for s in steps if "summary" not in s]
     assert [s["step"] for s in train_steps] == [0, 1]
     for s in train_steps:
-        assert s["rollout/staleness_max"] <= eta
+        assert s["rollout/staleness_max"] <= eta  # no trained token older than the bound
+        assert s["rollout/dropped_stale"] == 0
         assert s["actor/n_microbatches"] >= 1
         if s["rollout/reward"] == 0.0:  # a random model: all-equal groups → zero advantage → zero gradient
             assert s["actor/grad_norm"] == 0.0
+    if eta == 0:  # synchronous: nothing of step 2 was generated before step 1's update finished
+        assert train_steps[1]["rollout/overlap_frac"] == 0.0 and train_steps[1]["rollout/staleness_max"] == 0
+    else:  # asynchronous: step 2's rollouts began while step 1 was training
+        assert train_steps[1]["rollout/overlap_frac"] > 0
     assert "step 2/2" in proc.stdout and "reward" in proc.stdout, proc.stdout
     print(proc.stdout)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(out / "tensorboard"))
