@@ -129,7 +129,7 @@ class _FakeActor:
 
     def train_batch(self, batch, loss_fn, loss_weight_fn):
         loss = loss_fn(batch["logprobs"].clone().requires_grad_(), batch)
-        self.calls.append((batch, float(loss), loss_weight_fn(batch)))
+        self.calls.append((batch, loss.item(), loss_weight_fn(batch)))
         return {"loss": float(loss)}
 
 
