@@ -217,7 +217,8 @@ def load_config(cls: type[T], argv: list[str] | None = None) -> T:
             raise FileNotFoundError(f"--config: file not found: {path}")
         with open(path) as f:
             default = from_dict(cls, yaml.safe_load(f) or {})
-    return tyro.cli(cls, default=default, args=argv, config=(tyro.conf.FlagConversionOff,))
+    description = f"{(cls.__doc__ or '').strip()}\n\nLoad defaults from YAML with --config FILE.yaml; flags override it."
+    return tyro.cli(cls, default=default, args=argv, description=description, config=(tyro.conf.FlagConversionOff,))
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -84,8 +84,9 @@ class RolloutStat:
     """Counters of the staleness controller (per trainer rank).
 
     ``submitted``: episodes handed to the executor; ``running``: in flight; ``accepted``: finished
-    and queued for training (cumulative, see DESIGN.md); ``rejected``: dropped by a filter or
-    failed; ``dropped_stale``: finished but older than the staleness bound when drained.
+    and queued for training (cumulative, see DESIGN.md); ``rejected``: the workflow returned
+    None; ``failed``: the workflow raised; ``dropped_stale``: finished but older than the
+    staleness bound when drained.
     """
 
     submitted: int = 0

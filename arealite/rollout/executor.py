@@ -64,6 +64,7 @@ class WorkflowExecutor:
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._data_iter = None
+        self._epoch = 0
         self._version = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -222,6 +223,10 @@ class WorkflowExecutor:
         while self._input.qsize() < target:
             fresh_epoch = self._data_iter is None
             if fresh_epoch:
+                sampler = getattr(dataloader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):  # a new shuffle order every epoch
+                    sampler.set_epoch(self._epoch)
+                self._epoch += 1
                 self._data_iter = iter(dataloader)
             try:
                 rows = next(self._data_iter)
