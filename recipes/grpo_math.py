@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         stats_logger.commit(step, stats)
 
     actor.save(os.path.join(out, "final"))
+    if rank == 0:
+        shutil.rmtree(weight_dir, ignore_errors=True)  # the last weight-sync copy (= final/)
     if config.evaluator.at_end:
         summary["eval/accuracy_end"] = evaluate()
     summary.update(steps=config.total_train_steps, trained_samples=trained_samples,
