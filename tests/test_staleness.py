@@ -188,3 +188,15 @@ def test_concatenated_batches_pad_versions_with_minus_one():
     out = concat_padded([a, b])
     assert out["versions"].tolist() == [[-1, 3, 3], [-1, 4, -1]]  # padding is never "version 0"
     assert out["loss_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+def test_every_episode_failing_raises_instead_of_hanging():
+    ex = make_executor(eta=0, batch=2, gen_time=0.0)
+    wf = FakeWorkflow(fail_on=set(range(1000)))
+    data = [[{"id": 2 * i}, {"id": 2 * i + 1}] for i in range(500)]
+    try:
+        with pytest.raises(RuntimeError, match="in a row failed") as info:
+            ex.prepare_batch(data, wf)
+        assert "boom" in str(info.value)
+    finally:
+        ex.destroy()

@@ -9,7 +9,9 @@ trajectories. Generation therefore keeps going while the trainer trains: with
 ``max_head_offpolicyness = η`` it runs at most η batches ahead.
 
 Failure policy: an exception inside one episode is logged with its traceback and counted
-(``stat.failed``); the loop goes on. If the loop thread itself dies, the next ``wait`` raises.
+(``stat.failed``); the loop goes on. If every episode keeps failing (``max_consecutive_failures``
+in a row, e.g. the servers died) or the loop thread itself dies, the next ``wait`` raises
+instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class WorkflowExecutor:
         self._thread_error: BaseException | None = None
         self._data_iter = None
         self._epoch = 0
+        # Every episode failing (e.g. the servers are gone) must end in an error, not a hang.
+        self.max_consecutive_failures = max(8, 4 * batch)
+        self._consecutive_failures = 0
+        self._last_error: BaseException | None = None
         self._version = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -117,10 +123,13 @@ class WorkflowExecutor:
             traj = await workflow.arun_episode(self.engine, data)
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as e:
             logger.exception("rollout episode failed (counted in rollout/failed; the loop goes on)")
             self.staleness.on_finish(accepted=False, failed=True)
+            self._consecutive_failures += 1
+            self._last_error = e
             return
+        self._consecutive_failures = 0
         if traj is None:
             self.staleness.on_finish(accepted=False)
             return
@@ -167,7 +176,8 @@ class WorkflowExecutor:
         Raises:
             TimeoutError: fewer than ``count`` fresh episodes after ``timeout`` seconds (those
                 already finished stay queued for the next call).
-            RuntimeError: the rollout thread died (its exception is chained).
+            RuntimeError: the rollout thread died, or ``max_consecutive_failures`` episodes in a
+                row raised (the last exception is chained).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._ready) < count:
@@ -175,6 +185,11 @@ class WorkflowExecutor:
                 raise RuntimeError("the rollout thread died; see the log above") from self._thread_error
             if self._thread is None:
                 raise RuntimeError("WorkflowExecutor.initialize() was not called")
+            if self._consecutive_failures >= self.max_consecutive_failures:
+                raise RuntimeError(
+                    f"{self._consecutive_failures} rollout episodes in a row failed (are the inference "
+                    f"servers alive?); last error: {self._last_error!r}"
+                ) from self._last_error
             remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             if remaining <= 0:
                 raise TimeoutError(f"only {len(self._ready)}/{count} rollouts ready after {timeout} s")
