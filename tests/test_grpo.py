@@ -130,7 +130,7 @@ class _FakeActor:
     def train_batch(self, batch, loss_fn, loss_weight_fn):
         loss = loss_fn(batch["logprobs"].clone().requires_grad_(), batch)
         self.calls.append((batch, loss.item(), loss_weight_fn(batch)))
-        return {"loss": float(loss)}
+        return {"loss": loss.item()}
 
 
 def test_grpo_update_uses_group_advantages_on_generated_tokens_only():
@@ -152,3 +152,25 @@ def test_grpo_update_uses_group_advantages_on_generated_tokens_only():
     _, loss1, _ = actor.calls[1]
     assert loss1 == 0.0  # all-equal group
     assert stats["actor/clip_frac"] == 0.0
+
+
+def test_single_minibatch_decoupled_loss_uses_the_training_forward_as_proximal_policy():
+    # One minibatch: π_prox = the weights being updated, so prox_logp = logprobs.detach():
+    # ratio u = 1 and the behaviour weight w = π_θ/π_behav multiplies the advantage.
+    algo = GRPO(GRPOAlgoConfig(n_minibatches=1, use_decoupled_loss=True, behav_imp_weight_cap=None),
+                _FakeActor(), group_size=2)
+    batch = build_trajectories(
+        [ModelResponse([1], [3], [math.log(0.25)], [0], "stop"), ModelResponse([1], [4], [math.log(0.5)], [0], "stop")],
+        [1.0, 0.0],
+    )
+    batch = algo.prepare(batch)
+    assert "prox_logp" not in batch  # no extra forward pass
+    algo._mb_stats = []
+    current = torch.log(torch.tensor([[1.0, 0.5], [1.0, 0.5]])).requires_grad_()
+    loss = algo.loss_fn(current, batch)
+    # advantages ±1; w = 0.5/0.25 = 2 for row 0 and 0.5/0.5 = 1 for row 1; u = 1
+    # loss = (-(+1)·2 + -(-1)·1) / 2 tokens = -0.5
+    assert loss.item() == pytest.approx(-0.5, abs=1e-5)
+    loss.backward()
+    # d/dlogp of -A·w·exp(logp - sg(logp)) = -A·w
+    torch.testing.assert_close(current.grad, torch.tensor([[0.0, -1.0], [0.0, 0.5]]), atol=1e-5, rtol=0)
