@@ -46,6 +46,26 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
+def rollout_stats(batch: dict, version: int, prev_train_end: float, rollout) -> dict[str, float]:
+    """Batch statistics over all ranks. Staleness = trainer version − oldest version among the
+    trained tokens (≤ η by construction); overlap = share of rows whose generation began before
+    the previous training step ended (0 in synchronous mode)."""
+    gen = batch["versions"][batch["loss_mask"].bool()]  # versions of the trained tokens
+    reward_sum, n_tokens, no_eos, overlap, n = all_reduce([
+        float(batch["rewards"].sum()), float(batch["attention_mask"].sum()), float(batch["no_eos"].sum()),
+        float((batch["rollout_start_time"] < prev_train_end).sum()), float(batch["rewards"].numel()),
+    ])
+    stale_max, = all_reduce([float(version - gen.min()) if gen.numel() else 0.0], dist.ReduceOp.MAX)
+    first_start, = all_reduce([float(batch["rollout_start_time"].min())], dist.ReduceOp.MIN)
+    stat = rollout.executor.staleness.stat
+    return {
+        "rollout/reward": reward_sum / n, "rollout/staleness_max": stale_max, "rollout/no_eos_ratio": no_eos / n,
+        "rollout/overlap_frac": overlap / n, "rollout/n_samples": n, "rollout/n_tokens": n_tokens,
+        "rollout/dropped_stale": float(stat.dropped_stale), "rollout/failed": float(stat.failed),
+        "time/batch_rollout_start_min": first_start,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     config = load_config(GRPOConfig, argv)
     init_distributed()
@@ -82,7 +102,6 @@ def main(argv: list[str] | None = None) -> dict:
     workflow = RLVRWorkflow(math_reward, config.gconfig, tokenizer,
                             dump_dir=os.path.join(out, "rollouts") if rank == 0 else None)
     stats_logger = StatsLogger(out, rank, config.total_train_steps)
-    eta = config.rollout.max_head_offpolicyness
     weight_dir = os.path.join(out, "weight_update")
 
     def evaluate() -> float:  # greedy held-out accuracy through the servers (rank 0)
@@ -102,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.time()
         batch = rollout.prepare_batch(dataloader, workflow)
         t1 = time.time()
-        # 2. GRPO update (recompute proximal logprobs, advantages, PPO minibatches).
+        # 2. GRPO update (advantages, proximal logprobs, PPO minibatches).
         stats = algo.update(batch)
         t2 = time.time()
         # 3. Weight sync: pause → save → servers load → version bump → resume.
@@ -120,26 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
         rollout.resume()
         t3 = time.time()
 
-        # 4. Logging: reward, staleness (trainer version − oldest token version), overlap evidence.
-        gen = batch["versions"][batch["loss_mask"].bool()]  # versions of the trained tokens
-        n_rows = batch["rewards"].numel()
-        overlap = float((batch["rollout_start_time"] < prev_train_end).sum())
-        reward_sum, tokens, no_eos, overlap, n_all = all_reduce(
-            [float(batch["rewards"].sum()), float(batch["attention_mask"].sum()), float(batch["no_eos"].sum()), overlap, n_rows]
-        )
-        stale_max, = all_reduce([float(version - gen.min()) if gen.numel() else 0.0], dist.ReduceOp.MAX)
-        trained_samples += int(n_all)
+        # 4. Logging: reward, staleness, overlap evidence, time split.
+        stats.update(rollout_stats(batch, version, prev_train_end, rollout))
+        trained_samples += int(stats["rollout/n_samples"])
         stats.update({
-            "rollout/reward": reward_sum / n_all,
-            "rollout/staleness_max": stale_max,
-            "rollout/no_eos_ratio": no_eos / n_all,
-            "rollout/overlap_frac": overlap / n_all,  # rows whose generation began before the previous update ended
-            "rollout/dropped_stale": float(rollout.executor.staleness.stat.dropped_stale),
-            "rollout/failed": float(rollout.executor.staleness.stat.failed),
             "time/gen_wait_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
             "time/train_start": t1, "time/train_end": t2,
-            "time/batch_rollout_start_min": float(batch["rollout_start_time"].min()),
-            "perf/trained_tokens_per_s": tokens / (t3 - t0),
+            "perf/trained_tokens_per_s": stats["rollout/n_tokens"] / (t3 - t0),
             "perf/trained_samples_per_s": trained_samples / (t3 - run_start),
         })
         stats = {f"actor/{k}" if "/" not in k else k: v for k, v in stats.items()}
@@ -148,13 +154,14 @@ def main(argv: list[str] | None = None) -> dict:
             actor.save(os.path.join(out, "checkpoints", f"step{step + 1}"))
         stats_logger.commit(step, stats)
 
+    loop_time = time.time() - run_start
     actor.save(os.path.join(out, "final"))
     if rank == 0:
         shutil.rmtree(weight_dir, ignore_errors=True)  # the last weight-sync copy (= final/)
     if config.evaluator.at_end:
         summary["eval/accuracy_end"] = evaluate()
     summary.update(steps=config.total_train_steps, trained_samples=trained_samples,
-                   trained_samples_per_s=trained_samples / (time.time() - run_start))
+                   trained_samples_per_s=trained_samples / loop_time)
     stats_logger.summary(config.total_train_steps, {k: float(v) for k, v in summary.items()})
     stats_logger.close()
     rollout.destroy()
