@@ -4,11 +4,19 @@ Objective per token of response i in a group of G responses to one prompt (token
 aggregation as in DAPO, arXiv 2503.14476, Eq. 12; decoupled for stale data as in AReaL,
 arXiv 2505.24298, Eq. 5)::
 
+    r_i   = reward_i + overlong_penalty(|y_i|)              # DAPO Eq. 13; off by default
     A_i   = (r_i - mean_j r_j) / (std_j r_j + 1e-6)          # adv_norm_std=False: no division
     u_t   = π_θ(a_t|s_t) / π_prox(a_t|s_t)                  # π_prox: weights before this update
     w_t   = π_prox(a_t|s_t) / π_behav(a_t|s_t)              # π_behav: the sampling weights
     ℓ_t   = w_t · max(-A_i u_t, -A_i clip(u_t, 1-ε, 1+ε_high)) + β · k3(π_θ, π_ref)_t
-    L     = Σ_{i,t} ℓ_t · mask_t / Σ_{i,t} mask_t              # token mean over the global batch
+            (with c_clip and A_i < 0: the PPO term is capped at -A_i · c_clip, dual clip)
+    L     = Σ_{i,t} ℓ_t · mask_t / Σ_{i,t} mask_t              # loss_agg_mode="token-mean"
+
+``loss_agg_mode`` picks the aggregation (see :func:`functional.agg_loss`):
+``seq-mean-token-mean`` (original GRPO: mean over responses of per-response token means) or
+``seq-mean-token-sum-norm`` (Dr.GRPO: Σ ℓ / (#responses · L_max), with ``adv_norm_std=False``
+for the full Dr.GRPO recipe). Each mode has its matching engine weight, so micro-batching and
+data parallelism never change the loss.
 
 With ``use_decoupled_loss``, ``π_prox`` is the policy before this update: with one minibatch
 it is the training forward's own detached logprobs (same weights, no extra pass); with several
@@ -16,7 +24,21 @@ minibatches it is recomputed by a forward pass before the first one. Without it,
 ``π_prox = π_behav`` and w = 1 (standard PPO/GRPO, clipping around the possibly stale
 behaviour policy).
 
-Config: :class:`arealite.api.config.GRPOAlgoConfig`.
+Dynamic sampling (DAPO §3.2): :func:`should_accept` says whether a group carries a learning
+signal. The rollout executor drops an episode whose workflow returns ``None``, so wrap the
+workflow::
+
+    class DynamicSampling(RolloutWorkflow):
+        def __init__(self, inner): self.inner = inner
+        async def arun_episode(self, engine, data):
+            traj = await self.inner.arun_episode(engine, data)
+            return traj if traj is not None and should_accept(traj) else None
+
+``prepare_batch`` then keeps sampling until the batch is full of accepted groups (rejected
+ones are counted in ``rollout/rejected``).
+
+Config: :class:`arealite.api.config.GRPOAlgoConfig`. RLOO, REINFORCE++ and GSPO subclass this
+class and override :meth:`GRPO.compute_advantages` or :meth:`GRPO.log_ratio`.
 """
 
 from __future__ import annotations
@@ -29,56 +51,109 @@ from arealite.api.config import GRPOAlgoConfig
 from arealite.api.engine import Batch, TrainEngine
 
 
+def should_accept(trajectory: dict[str, torch.Tensor]) -> bool:
+    """DAPO dynamic sampling filter (arXiv 2503.14476, Eq. 11): keep a group only if its
+    ``rewards`` [G] are not all equal (0 < #correct < G). All-equal groups — including groups
+    of size 1 — give zero advantage and only dilute the batch."""
+    r = trajectory["rewards"].reshape(-1)
+    return bool(r.numel() > 1 and (r != r[0]).any())
+
+
 class GRPO(Algorithm):
     """GRPO on a policy engine ``actor`` and an optional frozen reference ``ref`` (for KL).
 
     Batch layout (rows of one prompt consecutive): ``input_ids``, ``attention_mask``,
     ``loss_mask``, ``logprobs`` (behaviour), ``versions`` [B, T]; ``rewards`` [B], with
     B a multiple of ``group_size``.
+
+    ``max_new_tokens`` (= gconfig.max_new_tokens, L_max) is needed only by
+    ``loss_agg_mode="seq-mean-token-sum-norm"`` and by ``overlong_penalty``.
     """
 
-    def __init__(self, config: GRPOAlgoConfig, actor: TrainEngine, group_size: int, ref: TrainEngine | None = None):
+    def __init__(self, config: GRPOAlgoConfig, actor: TrainEngine, group_size: int,
+                 ref: TrainEngine | None = None, max_new_tokens: int | None = None):
         if config.kl_coef > 0 and ref is None:
             raise ValueError("algo.kl_coef > 0 needs a reference model; pass ref= or set algo.kl_coef 0")
         if config.n_minibatches < 1:
             raise ValueError(f"algo.n_minibatches must be >= 1, got {config.n_minibatches}")
+        if config.loss_agg_mode not in F.LOSS_AGG_MODES:
+            raise ValueError(f"algo.loss_agg_mode: unknown {config.loss_agg_mode!r}; choose one of {F.LOSS_AGG_MODES}")
+        if config.kl_estimator not in F.KL_ESTIMATORS:
+            raise ValueError(f"algo.kl_estimator: unknown {config.kl_estimator!r}; choose one of {F.KL_ESTIMATORS}")
+        if config.c_clip is not None and config.c_clip <= 1.0:
+            raise ValueError(f"algo.c_clip must be > 1 (dual-clip bound), got {config.c_clip}; None disables it")
+        needs_len = config.loss_agg_mode == "seq-mean-token-sum-norm" or config.overlong_penalty > 0
+        if needs_len and not max_new_tokens:
+            raise ValueError("algo.loss_agg_mode=seq-mean-token-sum-norm and algo.overlong_penalty need L_max: "
+                             "pass max_new_tokens=config.gconfig.max_new_tokens to the algorithm")
+        if config.overlong_penalty > 0:
+            F.overlong_penalty(torch.zeros(1), max_new_tokens, config.overlong_penalty)  # validates L_cache
         self.config, self.actor, self.ref, self.group_size = config, actor, ref, group_size
+        self.max_new_tokens = max_new_tokens
+        self.kl_in_loss = config.kl_coef > 0  # REINFORCE++ may move the KL into the reward
+
+    # -- the two places where the algorithms of this family differ -------------------------------
+    def compute_advantages(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor:
+        """Token advantages [B, T] float32 (0 on non-generated tokens) from the shaped
+        ``rewards`` [B]. GRPO: the group-normalised reward on every generated token."""
+        adv = F.group_normalize(rewards, self.group_size, self.config.adv_norm_std)  # [B]
+        return adv[:, None] * batch["loss_mask"].float()  # [B, T]
+
+    def log_ratio(self, logprobs: torch.Tensor, prox_logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token log(π_θ / π_prox) [B, T] fed to the clipped surrogate (token level)."""
+        return logprobs - prox_logp
+
+    # -- Algorithm -------------------------------------------------------------------------------
+    def shaped_rewards(self, batch: Batch) -> torch.Tensor:
+        """``rewards`` [B] plus the DAPO overlong penalty of the response length (the number of
+        generated tokens, from ``loss_mask``: correct even when pad == EOS and there is no EOS)."""
+        rewards = batch["rewards"].float()
+        if self.config.overlong_penalty > 0:
+            lengths = (batch["loss_mask"] > 0).sum(-1)  # [B]
+            rewards = rewards + F.overlong_penalty(lengths, self.max_new_tokens, self.config.overlong_penalty,
+                                                   self.config.overlong_penalty_factor)
+        return rewards
 
     def prepare(self, batch: Batch) -> Batch:
-        """Adds ``advantages`` [B, T] (group-normalised reward on generated tokens, 0 elsewhere),
-        ``prox_logp`` [B, T] (unless the training forward provides it, see the module doc) and,
-        with KL, ``ref_logp`` [B, T]."""
-        adv = F.group_normalize(batch["rewards"], self.group_size, self.config.adv_norm_std)  # [B]
-        batch["advantages"] = adv[:, None] * batch["loss_mask"].float()  # [B, T]
+        """Adds ``advantages`` [B, T], ``prox_logp`` [B, T] (unless the training forward provides
+        it, see the module doc) and, with a reference model, ``ref_logp`` [B, T]."""
+        if self.ref is not None:
+            batch["ref_logp"] = self.ref.forward(batch)
         if self.config.n_minibatches > 1:
             batch["prox_logp"] = self.actor.forward(batch)
         elif not self.config.use_decoupled_loss:
             batch["prox_logp"] = batch["logprobs"]
         # else: one minibatch — π_prox are the weights of this very update, so the training
         # forward's own (detached) logprobs are exactly π_prox: no extra forward pass needed.
-        if self.ref is not None:
-            batch["ref_logp"] = self.ref.forward(batch)
+        batch["advantages"] = self.compute_advantages(batch, self.shaped_rewards(batch))
         return batch
 
     def loss_fn(self, logprobs: torch.Tensor, mb: Batch) -> torch.Tensor:
-        """Token-mean GRPO loss of one micro-batch (weights: :meth:`loss_weight_fn`)."""
+        """Policy loss of one micro-batch, the mean over :meth:`loss_weight_fn` (engine contract)."""
         c = self.config
+        mask = mb["loss_mask"]
         prox_logp = mb["prox_logp"] if "prox_logp" in mb else logprobs.detach()
-        loss, stats = F.ppo_actor_loss(
-            logprobs, prox_logp, mb["logprobs"], mb["advantages"], mb["loss_mask"],
-            c.eps_clip, c.eps_clip_high, c.behav_imp_weight_cap,
+        loss_tok, kept, stats = F.ppo_loss_per_token(
+            self.log_ratio(logprobs, prox_logp, mask), prox_logp, mb["logprobs"], mb["advantages"], mask,
+            c.eps_clip, c.eps_clip_high, c.behav_imp_weight_cap, c.c_clip,
         )
-        if c.kl_coef > 0:
-            kl = F.masked_mean(F.kl_k3(logprobs, mb["ref_logp"]), mb["loss_mask"])
+        # token-mean keeps GRPO's historical normaliser: loss tokens not dropped by the cap
+        # (identical to the other modes' convention — dropped tokens count as 0-loss tokens —
+        # whenever no token is capped). The other modes normalise by loss_mask, which keeps
+        # the engine's micro-batch/rank combination exact even when tokens are capped.
+        norm_mask = kept if c.loss_agg_mode == "token-mean" else mask
+        loss = F.agg_loss(loss_tok, norm_mask, c.loss_agg_mode, self.max_new_tokens)
+        if self.kl_in_loss:
+            kl_tok = F.kl_estimate(logprobs, mb["ref_logp"], c.kl_estimator, mask)
+            kl = F.agg_loss(kl_tok, mask, c.loss_agg_mode, self.max_new_tokens)
             loss = loss + c.kl_coef * kl
             stats["kl_ref"] = kl.detach()
         self._mb_stats.append({k: float(v) for k, v in stats.items()})
         return loss
 
-    @staticmethod
-    def loss_weight_fn(mb: Batch) -> float:
-        """Number of loss tokens: makes the engine's combination a global token mean."""
-        return float(mb["loss_mask"].sum())
+    def loss_weight_fn(self, mb: Batch) -> float:
+        """The engine weight matching ``loss_agg_mode`` (token-mean: number of loss tokens)."""
+        return F.agg_weight(mb["loss_mask"], self.config.loss_agg_mode)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """Prepare, then ``n_minibatches`` optimizer steps over whole groups of the batch."""

@@ -117,6 +117,30 @@ class GRPOAlgoConfig:
     n_minibatches: int = 1  # PPO minibatch updates per batch
     use_decoupled_loss: bool = True  # AReaL decoupled PPO: clip around a recomputed π_prox
     behav_imp_weight_cap: float | None = 5.0  # tokens with π_prox/π_behav above this are masked
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
+    c_clip: float | None = None  # dual-clip bound c > 1 for A < 0 (Ye et al. 2020); None = off
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman 2020) for the kl_coef term
+    overlong_penalty: int = 0  # DAPO soft overlong punishment window L_cache [tokens]; 0 = off
+    overlong_penalty_factor: float = 1.0  # scale of that penalty (added to the reward)
+
+
+@dataclass
+class GSPOAlgoConfig(GRPOAlgoConfig):
+    """GSPO (arXiv 2507.18071): sequence-level ratio; the paper's clip range and aggregation."""
+
+    eps_clip: float = 3e-4  # lower clip of the sequence ratio s_i (paper §5.1)
+    eps_clip_high: float | None = 4e-4  # upper clip of s_i (paper §5.1)
+    loss_agg_mode: str = "seq-mean-token-mean"  # GSPO averages over sequences (paper Eq. 5)
+
+
+@dataclass
+class ReinforcePPAlgoConfig(GRPOAlgoConfig):
+    """REINFORCE++ (arXiv 2501.03262); adv_norm_std is unused (whitening is global)."""
+
+    group_baseline: bool = False  # subtract the group-mean reward first (REINFORCE++-baseline)
+    gamma: float = 1.0  # discount of token rewards
+    kl_in_reward: bool = True  # kl_coef·KL(π_behav‖π_ref) as a per-token reward penalty (else a loss term)
+    kl_estimator: str = "k1"  # estimator of that KL (the paper's reward penalty is k1)
 
 
 @dataclass
