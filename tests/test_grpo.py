@@ -174,3 +174,24 @@ def test_single_minibatch_decoupled_loss_uses_the_training_forward_as_proximal_p
     loss.backward()
     # d/dlogp of -A·w·exp(logp - sg(logp)) = -A·w
     torch.testing.assert_close(current.grad, torch.tensor([[0.0, -1.0], [0.0, 0.5]]), atol=1e-5, rtol=0)
+
+
+def test_new_grpo_options_default_to_the_original_objective():
+    c = GRPOAlgoConfig()
+    assert (c.loss_agg_mode, c.c_clip, c.kl_estimator, c.overlong_penalty) == ("token-mean", None, "k3", 0)
+    # default loss_fn == token-mean decoupled PPO (cap-dropped tokens excluded) + β·mean k3, bit for bit
+    class Ref:
+        def forward(self, batch):
+            return batch["logprobs"] - 0.3
+
+    algo = GRPO(GRPOAlgoConfig(kl_coef=0.1, n_minibatches=2), _FakeActor(), group_size=2, ref=Ref())
+    batch = algo.prepare(build_trajectories(
+        [ModelResponse([1], [3, 4], [-0.2, -3.0], [0, 0], "stop"), ModelResponse([1], [5], [-0.5], [0], "stop")],
+        [1.0, 0.0]))
+    algo._mb_stats = []
+    cur = batch["logprobs"] + torch.tensor([[0.0, 0.1, 2.0], [0.0, -0.2, 0.0]])
+    expected, _ = F.ppo_actor_loss(cur, batch["prox_logp"], batch["logprobs"], batch["advantages"],
+                                   batch["loss_mask"], 0.2, None, 5.0)
+    expected = expected + 0.1 * F.masked_mean(F.kl_k3(cur, batch["ref_logp"]), batch["loss_mask"])
+    assert torch.equal(algo.loss_fn(cur, batch), expected)
+    assert algo.loss_weight_fn(batch) == 3.0
