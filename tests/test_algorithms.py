@@ -343,10 +343,12 @@ def test_masked_tokens_contribute_exactly_zero_value_and_gradient(mode, cls):
     # (current logprobs, prox, behaviour, reference, advantages). Loss must be identical, every
     # gradient finite, and the gradient at masked positions exactly 0.
     cfg_cls = {GSPO: GSPOAlgoConfig, ReinforcePP: ReinforcePPAlgoConfig}.get(cls, GRPOAlgoConfig)
-    cfg = cfg_cls(loss_agg_mode=mode, kl_coef=0.1, c_clip=3.0, **({"kl_in_reward": False} if cls is ReinforcePP else {}))
+    extra = {"kl_in_reward": False} if cls is ReinforcePP else {}
+    cfg = cfg_cls(loss_agg_mode=mode, kl_coef=0.1, c_clip=3.0, **extra)
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0]])
     clean = {"loss_mask": mask, "logprobs": torch.tensor([[0, -1.0, -2.0, 0], [0, -0.5, 0, 0]]),
-             "advantages": torch.tensor([[0, 1.0, 1.0, 0], [0, -1.0, 0, 0]]), "ref_logp": torch.full((2, 4), -1.0) * mask,
+             "advantages": torch.tensor([[0, 1.0, 1.0, 0], [0, -1.0, 0, 0]]),
+             "ref_logp": torch.full((2, 4), -1.0) * mask,
              "prox_logp": torch.tensor([[0, -1.1, -1.9, 0], [0, -0.6, 0, 0]])}
     cur_clean = torch.tensor([[0, -0.9, -2.1, 0], [0, -0.4, 0, 0]])
     junk = torch.tensor([[-float("inf"), 0, 0, 1e30], [float("nan"), 0, -float("inf"), 1e30]])
@@ -422,7 +424,8 @@ def test_gspo_sequence_ratio_value_and_per_token_gradient():
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])
     logp = (prox + delta).requires_grad_()
     s = F.sequence_log_ratio(logp, prox, mask).exp()
-    torch.testing.assert_close(s, torch.tensor([[1.0] + [math.exp(0.1)] * 3, [1.0, math.exp(0.5), math.exp(0.5), 1.0]]))
+    e1, e5 = math.exp(0.1), math.exp(0.5)
+    torch.testing.assert_close(s, torch.tensor([[1.0, e1, e1, e1], [1.0, e5, e5, 1.0]]))
     algo = GSPO(GSPOAlgoConfig(eps_clip=0.2, eps_clip_high=0.2), _FakeActor(), group_size=2)
     mb = {"loss_mask": mask, "logprobs": prox, "prox_logp": prox, "advantages": mask.float()}
     algo._mb_stats = []

@@ -110,7 +110,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_ra
 # --------------------------------------------------------------------------------------------
 # Loss aggregation (the engine combines micro-batches as Σ loss_mb · w_mb / Σ_global w_mb)
 # --------------------------------------------------------------------------------------------
-def agg_loss(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean", max_len: int | None = None) -> torch.Tensor:
+def agg_loss(
+    loss: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean", max_len: int | None = None
+) -> torch.Tensor:
     """Aggregate a per-token loss ℓ [B, T] into the scalar mean over its own weight
     :func:`agg_weight` (the :meth:`TrainEngine.train_batch` contract).
 

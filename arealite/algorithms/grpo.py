@@ -35,7 +35,7 @@ workflow::
             return traj if traj is not None and should_accept(traj) else None
 
 ``prepare_batch`` then keeps sampling until the batch is full of accepted groups (rejected
-ones are counted in ``rollout/rejected``).
+ones are counted in ``RolloutStat.rejected``).
 
 Config: :class:`arealite.api.config.GRPOAlgoConfig`. RLOO, REINFORCE++ and GSPO subclass this
 class and override :meth:`GRPO.compute_advantages` or :meth:`GRPO.log_ratio`.
