@@ -329,11 +329,12 @@ def test_decoupled_weight_cap_drops_token_even_with_infinite_weight():
     behav = torch.tensor([[math.log(0.25), -float("inf"), math.log(0.5)]])  # w = 2, inf, 1
     adv = torch.tensor([[1.0, 1.0, -1.0]])
     loss, stats = F.ppo_actor_loss(logp, prox, behav, adv, torch.ones(1, 3), behav_imp_weight_cap=5.0)
-    # t1 dropped (w = inf > 5); t0: -1·2·1 = -2; t2: +1·1·1 = 1; token-mean over 2 kept -> -0.5
-    assert loss.item() == pytest.approx(-0.5)
+    # t1 dropped (w = inf > 5) and counted as a zero-loss token; t0: -1·2·1 = -2; t2: +1·1·1 = 1;
+    # token-mean over the 3 loss tokens -> -1/3
+    assert loss.item() == pytest.approx(-1.0 / 3.0)
     assert stats["masked_by_cap"].item() == 1.0 and stats["importance_weight"].item() == pytest.approx(1.5)
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.0, 0.5]]))
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 / 3.0, 0.0, 1.0 / 3.0]]))
 
 
 @pytest.mark.parametrize("mode", MODES)

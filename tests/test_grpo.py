@@ -71,8 +71,8 @@ def test_decoupled_weight_and_cap():
     behav = torch.log(torch.tensor([[0.25, 0.05]]))  # weights 2 and 10
     adv = torch.tensor([[1.0, 1.0]])
     loss, stats = F.ppo_actor_loss(logp, prox, behav, adv, torch.ones(1, 2), behav_imp_weight_cap=5.0)
-    # token 2 masked by the cap; token 1: w=2, r=1 -> -2; mean over 1 remaining token
-    assert loss.item() == pytest.approx(-2.0)
+    # token 2 dropped by the cap (a zero-loss token); token 1: w=2, r=1 -> -2; mean over 2 loss tokens
+    assert loss.item() == pytest.approx(-1.0)
     assert stats["masked_by_cap"].item() == 1.0
 
 

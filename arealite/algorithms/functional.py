@@ -414,8 +414,9 @@ def ppo_actor_loss(
     behav_imp_weight_cap: float | None = None,
     c_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decoupled PPO clipped surrogate, token-mean over the loss tokens not dropped by the cap
-    (AReaL Eq. 5; :func:`ppo_loss_per_token` with ``log_ratio = logprobs - prox_logp``).
+    """Decoupled PPO clipped surrogate, token-mean over ``loss_mask`` (AReaL Eq. 5;
+    :func:`ppo_loss_per_token` with ``log_ratio = logprobs - prox_logp``). Tokens dropped by the
+    behaviour-weight cap count as zero-loss tokens, as in :class:`arealite.algorithms.grpo.GRPO`.
 
     When ``prox_logp is behav_logp`` (on-policy / no recompute) ``w = 1`` and this is standard PPO.
 
@@ -425,10 +426,10 @@ def ppo_actor_loss(
         loss_mask: [B, T] 0/1.
 
     Returns:
-        (scalar loss = Σ ℓ_t / #kept tokens, stats dict, see :func:`ppo_loss_per_token`).
+        (scalar loss = Σ ℓ_t / Σ loss_mask, stats dict, see :func:`ppo_loss_per_token`).
     """
     loss, kept, stats = ppo_loss_per_token(
         logprobs - prox_logp, prox_logp, behav_logp, advantages, loss_mask,
         eps_clip, eps_clip_high, behav_imp_weight_cap, c_clip,
     )
-    return agg_loss(loss, kept, "token-mean"), stats
+    return agg_loss(loss, loss_mask, "token-mean"), stats

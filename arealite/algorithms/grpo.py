@@ -137,12 +137,10 @@ class GRPO(Algorithm):
             self.log_ratio(logprobs, prox_logp, mask), prox_logp, mb["logprobs"], mb["advantages"], mask,
             c.eps_clip, c.eps_clip_high, c.behav_imp_weight_cap, c.c_clip,
         )
-        # token-mean keeps GRPO's historical normaliser: loss tokens not dropped by the cap
-        # (identical to the other modes' convention — dropped tokens count as 0-loss tokens —
-        # whenever no token is capped). The other modes normalise by loss_mask, which keeps
-        # the engine's micro-batch/rank combination exact even when tokens are capped.
-        norm_mask = kept if c.loss_agg_mode == "token-mean" else mask
-        loss = F.agg_loss(loss_tok, norm_mask, c.loss_agg_mode, self.max_new_tokens)
+        # Tokens dropped by the behaviour-weight cap count as zero-loss tokens: every mode
+        # normalises by loss_mask, matching loss_weight_fn, so the engine's combination over
+        # micro-batches and ranks stays exact even when tokens are capped.
+        loss = F.agg_loss(loss_tok, mask, c.loss_agg_mode, self.max_new_tokens)
         if self.kl_in_loss:
             kl_tok = F.kl_estimate(logprobs, mb["ref_logp"], c.kl_estimator, mask)
             kl = F.agg_loss(kl_tok, mask, c.loss_agg_mode, self.max_new_tokens)
