@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     if config.algo.kl_coef > 0:
         ref = FSDPEngine(config.actor, temperature=config.gconfig.temperature, trainable=False)
         ref.initialize(model_path)
-    algo = GRPO(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref)
+    algo = GRPO(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,
+                max_new_tokens=config.gconfig.max_new_tokens)
     workflow = RLVRWorkflow(math_reward, config.gconfig, tokenizer,
                             dump_dir=os.path.join(out, "rollouts") if rank == 0 else None)
     stats_logger = StatsLogger(out, rank, config.total_train_steps)
