@@ -46,6 +46,14 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
+def load_dataset_or_explain(name: str, cfg, split: str, seed: int) -> list[dict]:
+    """``load_dataset`` whose errors name the config field to fix (e.g. ``train_dataset.path``)."""
+    try:
+        return load_dataset(cfg.path, split, cfg.size, seed)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{name}.path={cfg.path!r}: {e}") from None
+
+
 def rollout_stats(batch: dict, version: int, prev_train_end: float, rollout) -> dict[str, float]:
     """Batch statistics over all ranks. Staleness = trainer version − oldest version among the
     trained tokens (≤ η by construction); overlap = share of rows whose generation began before
@@ -72,18 +80,21 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     random.seed(config.seed + rank)
     torch.manual_seed(config.seed)
-    out = config.output_dir
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(config), f)
     if config.train_dataset.batch_size % world or config.rollout.consumer_batch_size % world:
         raise ValueError(f"train_dataset.batch_size and rollout.consumer_batch_size must be divisible by {world} ranks")
 
-    # Data, model path, tokenizer (cheap checks before anything expensive).
-    train_rows = load_dataset(config.train_dataset.path, "train", config.train_dataset.size, config.seed)
-    valid_rows = load_dataset(config.valid_dataset.path, "test", config.valid_dataset.size, config.seed)
+    # Data, model path, tokenizer (cheap checks before anything expensive or written).
+    train_rows = load_dataset_or_explain("train_dataset", config.train_dataset, "train", config.seed)
+    valid_rows = load_dataset_or_explain("valid_dataset", config.valid_dataset, "test", config.seed)
     model_path = resolve_model_path(config.actor.path)
+    out = config.output_dir
+    if rank == 0:
+        if os.path.exists(os.path.join(out, "stats.jsonl")):
+            print(f"WARNING: {out} already holds a run; its logs and rollouts will be appended to. "
+                  "Pass --trial_name NAME for a separate run.", flush=True)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(config), f)
     tokenizer = load_tokenizer(model_path)
     sampler = DistributedSampler(train_rows, num_replicas=world, rank=rank, shuffle=config.train_dataset.shuffle, seed=config.seed)
     dataloader = StatefulDataLoader(train_rows, batch_size=config.train_dataset.batch_size // world, sampler=sampler,

@@ -232,7 +232,10 @@ class FSDPEngine(TrainEngine):
         """HF folder: config, safetensors, generation config, tokenizer. Collective."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            from transformers.utils import logging as hf_logging
+
             os.makedirs(path, exist_ok=True)
+            hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every weight sync
             self.model.save_pretrained(path, state_dict=state)
             self.tokenizer.save_pretrained(path)
         dist.barrier()

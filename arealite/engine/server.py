@@ -643,6 +643,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="exit when this process is gone (set by arealite's launcher); 0 = never")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--decode-step-delay", type=float, default=0.0,
                    help="testing aid: seconds to sleep after each decode step, so that "
@@ -650,11 +652,31 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Daemon thread: end this server when the process that launched it is gone (e.g. the
+    trainer was SIGKILLed and its atexit hooks never ran), so no orphan keeps the CPU busy."""
+
+    def watch():
+        while True:
+            time.sleep(poll_s)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                logger.warning("parent process %d is gone; shutting down", parent_pid)
+                os._exit(0)
+            except PermissionError:  # alive, owned by someone else
+                pass
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv=None):
     """Load the model, start the scheduler thread and serve HTTP until interrupted."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.num_threads)
+    if args.parent_pid:
+        _exit_when_parent_dies(args.parent_pid)
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM
 

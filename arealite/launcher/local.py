@@ -52,6 +52,7 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
             sys.executable, "-m", "arealite.engine.server", "--model-path", model_path,
             "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(config.server_threads),
             "--max-batch-size", str(config.server_max_batch_size), "--seed", str(seed + i),
+            "--parent-pid", str(os.getpid()),  # no orphan server if the trainer is SIGKILLed
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(config.server_threads))
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
