@@ -652,31 +652,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
-    """Daemon thread: end this server when the process that launched it is gone (e.g. the
-    trainer was SIGKILLed and its atexit hooks never ran), so no orphan keeps the CPU busy."""
-
-    def watch():
-        while True:
-            time.sleep(poll_s)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                logger.warning("parent process %d is gone; shutting down", parent_pid)
-                os._exit(0)
-            except PermissionError:  # alive, owned by someone else
-                pass
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main(argv=None):
     """Load the model, start the scheduler thread and serve HTTP until interrupted."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.num_threads)
     if args.parent_pid:
-        _exit_when_parent_dies(args.parent_pid)
+        from arealite.utils.proc import exit_when_parent_dies
+
+        exit_when_parent_dies(args.parent_pid)
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM
 

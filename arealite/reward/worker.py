@@ -14,6 +14,7 @@ import concurrent.futures
 import importlib
 import logging
 import multiprocessing
+import os
 import threading
 import weakref
 from concurrent.futures.process import BrokenProcessPool
@@ -98,8 +99,12 @@ class RewardWorker:
 
     # ------------------------------------------------------------------ pool
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        # Workers exit by themselves if this process is SIGKILLed (no orphans).
+        from arealite.utils.proc import exit_when_parent_dies
+
         return concurrent.futures.ProcessPoolExecutor(
-            max_workers=self.max_workers, mp_context=self._ctx
+            max_workers=self.max_workers, mp_context=self._ctx,
+            initializer=exit_when_parent_dies, initargs=(os.getpid(),),
         )
 
     def _current(self) -> tuple[concurrent.futures.ProcessPoolExecutor, int]:
