@@ -147,6 +147,8 @@ class ReinforcePPAlgoConfig(GRPOAlgoConfig):
 
 @dataclass
 class SaverConfig:
+    """HF checkpoints of the policy under ``output_dir/checkpoints/stepN`` (plus ``final/``)."""
+
     freq_steps: int = 0  # save an HF checkpoint every N steps (0 = only at the end)
 
 
