@@ -21,6 +21,8 @@ Formulas and sources:
   Dr.GRPO constant normaliser, arXiv 2503.20783, Eq. 3 (``seq-mean-token-sum-norm``).
 * KL estimators k1, k2, k3: J. Schulman, "Approximating KL divergence" (2020).
 * Soft overlong punishment: DAPO, arXiv 2503.14476, Eq. 13.
+* GAE: Schulman et al. 2016, arXiv 1506.02438, Eq. 16; clipped value loss: PPO2 (OpenAI
+  baselines), Andrychowicz et al. 2020, arXiv 2006.05990, §3.5.
 """
 
 from __future__ import annotations
@@ -255,6 +257,86 @@ def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gam
     return _zero_where_masked(out, keep)
 
 
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
+        gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438, Eqs. 11–16)
+    over the generated tokens of each row::
+
+        δ_t = r_t + γ V_{t'} - V_t          t' = the next generated token (V = 0 after the last)
+        A_t = δ_t + γ λ A_{t'}
+        R_t = A_t + V_t                     (value targets, "returns")
+
+    Values are token-aligned like logprobs: ``values[:, t]`` is V of the state *before* token t
+    is generated. Non-generated tokens between two generated ones (tool or environment output)
+    are skipped, not discounted: the state before the next generated token already contains them.
+
+    Args:
+        token_rewards: [B, T] float (e.g. :func:`last_token_rewards` minus a KL penalty).
+        values: [B, T] float, critic values V_t (no grad).
+        loss_mask: [B, T] 0/1, generated tokens.
+        gamma: discount γ ∈ [0, 1]; lam: GAE λ ∈ [0, 1] (λ = 1: Monte-Carlo return minus V).
+
+    Returns:
+        (advantages [B, T] float32, returns [B, T] float32), both exactly 0 at masked positions.
+
+    Raises:
+        ValueError: γ or λ outside [0, 1].
+    """
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"algo.gamma={gamma} and algo.lam={lam} must be in [0, 1]")
+    keep = loss_mask > 0
+    r = _zero_where_masked(token_rewards.float(), keep)
+    v = _zero_where_masked(values.float(), keep)
+    adv = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_adv = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        k = keep[:, t]
+        a_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv
+        adv[:, t] = torch.where(k, a_t, torch.zeros_like(a_t))
+        next_adv = torch.where(k, a_t, next_adv)
+        next_value = torch.where(k, v[:, t], next_value)
+    return adv, _zero_where_masked(adv + v, keep)
+
+
+def value_loss_per_token(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                         loss_mask: torch.Tensor, value_eps_clip: float | None = 0.2
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO2 as in OpenAI baselines and Ouyang et al. 2022; the value
+    clipping of Andrychowicz et al. 2020, arXiv 2006.05990, §3.5)::
+
+        V^clip_t = V_old,t + clip(V_t - V_old,t, -ε_v, ε_v)
+        ℓ_t      = ½ max((V_t - R_t)², (V^clip_t - R_t)²)        (ε_v = None: ½ (V_t - R_t)²)
+
+    Args:
+        values: [B, T] float32 current critic values, with grad.
+        old_values: [B, T] values before this update (no grad); returns: [B, T] targets R_t.
+        loss_mask: [B, T] 0/1. value_eps_clip: ε_v > 0 or None.
+
+    Returns:
+        (ℓ [B, T] float32, exactly 0 at masked positions, value and gradient; stats dict of
+        detached scalars ``value_clip_frac`` (share of tokens where the clipped term is the
+        larger one) and ``value_mean``).
+    """
+    keep = loss_mask > 0
+    v = _zero_where_masked(values, keep)
+    old = _zero_where_masked(old_values.float(), keep)
+    ret = _zero_where_masked(returns.float(), keep)
+    err = (v - ret) ** 2
+    if value_eps_clip is None:
+        loss, clipped_frac = 0.5 * err, torch.zeros(())
+    else:
+        if value_eps_clip <= 0:
+            raise ValueError(f"algo.value_eps_clip must be > 0 (or None to disable), got {value_eps_clip}")
+        v_clip = old + (v - old).clamp(-value_eps_clip, value_eps_clip)
+        err_clip = (v_clip - ret) ** 2
+        loss = 0.5 * torch.maximum(err, err_clip)
+        clipped_frac = masked_mean((err_clip > err).float(), keep)
+    with torch.no_grad():
+        stats = {"value_clip_frac": clipped_frac, "value_mean": masked_mean(v.detach(), keep)}
+    return _zero_where_masked(loss, keep), stats
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> torch.Tensor:
     """DAPO soft overlong punishment (arXiv 2503.14476, Eq. 13), times ``factor``::
 
@@ -370,7 +452,8 @@ def ppo_loss_per_token(
     Returns:
         (ℓ [B, T] float32, exactly 0 at masked or capped positions; ``kept`` [B, T] bool, the
         loss tokens not dropped by the cap; stats dict of detached scalars ``clip_frac``,
-        ``dual_clip_frac``, ``importance_weight`` (mean w), ``approx_kl`` (mean -log_ratio),
+        ``dual_clip_frac``, ``importance_weight`` (mean w) with ``importance_weight_max``/``_min``,
+        ``approx_kl`` (mean -log_ratio: k1 of KL(π_prox‖π_θ)), ``approx_kl_behav`` (k1 of KL(π_behav‖π_θ)),
         ``masked_by_cap`` (count)).
     """
     if c_clip is not None and c_clip <= 1.0:
@@ -397,7 +480,15 @@ def ppo_loss_per_token(
             "clip_frac": masked_mean(((-adv * clipped) > (-adv * ratio)).float(), kept),
             "dual_clip_frac": masked_mean(dual.float(), kept),
             "importance_weight": masked_mean(behav_w, kept),
+            "importance_weight_max": torch.where(kept, behav_w, torch.zeros_like(behav_w)).amax()
+            if kept.any() else torch.ones(()),
+            "importance_weight_min": torch.where(kept, behav_w, torch.full_like(behav_w, float("inf"))).amin()
+            if kept.any() else torch.ones(()),
             "approx_kl": masked_mean(-log_ratio, kept),
+            # KL(π_behav‖π_θ) ≈ mean(log π_behav - log π_θ): how far the trained policy is from
+            # the policy that generated the tokens (k1 estimator, Schulman 2020).
+            "approx_kl_behav": masked_mean(_zero_where_masked(behav_logp, kept) - log_ratio
+                                           - _zero_where_masked(prox_logp, kept), kept),
             "masked_by_cap": capped.float().sum(),
         }
     return loss, kept, stats

@@ -24,18 +24,11 @@ minibatches it is recomputed by a forward pass before the first one. Without it,
 ``π_prox = π_behav`` and w = 1 (standard PPO/GRPO, clipping around the possibly stale
 behaviour policy).
 
-Dynamic sampling (DAPO §3.2): :func:`should_accept` says whether a group carries a learning
-signal. The rollout executor drops an episode whose workflow returns ``None``, so wrap the
-workflow::
-
-    class DynamicSampling(RolloutWorkflow):
-        def __init__(self, inner): self.inner = inner
-        async def arun_episode(self, engine, data):
-            traj = await self.inner.arun_episode(engine, data)
-            return traj if traj is not None and should_accept(traj) else None
-
-``prepare_batch`` then keeps sampling until the batch is full of accepted groups (rejected
-ones are counted in ``RolloutStat.rejected``).
+Dynamic sampling (DAPO §3.2, ``algo.dynamic_sampling``): :func:`should_accept` says whether
+a group carries a learning signal; :class:`DynamicSampling` wraps a workflow so that the
+executor drops the other groups (a workflow returning ``None`` rejects its episode), and
+``prepare_batch`` keeps sampling until the batch is full of accepted groups (rejected ones are
+counted in ``RolloutStat.rejected``).
 
 Config: :class:`arealite.api.config.GRPOAlgoConfig`. RLOO, REINFORCE++ and GSPO subclass this
 class and override :meth:`GRPO.compute_advantages` or :meth:`GRPO.log_ratio`.
@@ -49,6 +42,7 @@ from arealite.algorithms import functional as F
 from arealite.api.algorithm import Algorithm
 from arealite.api.config import GRPOAlgoConfig
 from arealite.api.engine import Batch, TrainEngine
+from arealite.api.workflow import RolloutWorkflow
 
 
 def should_accept(trajectory: dict[str, torch.Tensor]) -> bool:
@@ -57,6 +51,20 @@ def should_accept(trajectory: dict[str, torch.Tensor]) -> bool:
     of size 1 — give zero advantage and only dilute the batch."""
     r = trajectory["rewards"].reshape(-1)
     return bool(r.numel() > 1 and (r != r[0]).any())
+
+
+class DynamicSampling(RolloutWorkflow):
+    """Wrap ``inner`` so that episodes failing :func:`should_accept` are rejected (DAPO §3.2).
+
+    The executor then keeps sampling prompts until ``prepare_batch`` has a full batch of
+    accepted groups; the number of rejected groups is ``RolloutStat.rejected``."""
+
+    def __init__(self, inner: RolloutWorkflow):
+        self.inner = inner
+
+    async def arun_episode(self, engine, data):
+        traj = await self.inner.arun_episode(engine, data)
+        return traj if traj is not None and should_accept(traj) else None
 
 
 class GRPO(Algorithm):
@@ -146,6 +154,8 @@ class GRPO(Algorithm):
             kl = F.agg_loss(kl_tok, mask, c.loss_agg_mode, self.max_new_tokens)
             loss = loss + c.kl_coef * kl
             stats["kl_ref"] = kl.detach()
+        if "entropy" in mb:  # detached per-token entropy from the engine, when it provides one
+            stats["entropy"] = F.masked_mean(mb["entropy"], mask)
         self._mb_stats.append({k: float(v) for k, v in stats.items()})
         return loss
 
@@ -153,19 +163,39 @@ class GRPO(Algorithm):
         """The engine weight matching ``loss_agg_mode`` (token-mean: number of loss tokens)."""
         return F.agg_weight(mb["loss_mask"], self.config.loss_agg_mode)
 
+    def train_minibatch(self, mb: Batch) -> dict[str, float]:
+        """One optimizer step of the policy on minibatch ``mb`` (PPO adds its critic here)."""
+        return self.actor.train_batch(mb, self.loss_fn, self.loss_weight_fn)
+
     def update(self, batch: Batch) -> dict[str, float]:
-        """Prepare, then ``n_minibatches`` optimizer steps over whole groups of the batch."""
+        """Prepare, then ``n_minibatches`` optimizer steps over whole groups of the batch.
+
+        Returns the engine stats of the last minibatch plus ``actor/<stat>`` from the loss,
+        combined over every micro-batch of every minibatch on this rank (``*_max``: max,
+        ``*_min``: min, others: mean), and advantage statistics over the loss tokens."""
         batch = self.prepare(batch)
         n_groups = batch["rewards"].shape[0] // self.group_size
         splits = torch.arange(n_groups).chunk(self.config.n_minibatches)
         stats: dict[str, float] = {}
+        self._mb_stats: list[dict[str, float]] = []
         for groups in splits:
             rows = (groups[:, None] * self.group_size + torch.arange(self.group_size)).view(-1)
-            mb = {k: v[rows] for k, v in batch.items()}
-            self._mb_stats: list[dict[str, float]] = []
-            stats = self.actor.train_batch(mb, self.loss_fn, self.loss_weight_fn)
-        for key in self._mb_stats[0] if self._mb_stats else []:
-            stats[f"actor/{key}"] = sum(s[key] for s in self._mb_stats) / len(self._mb_stats)
-        mask = batch["loss_mask"].bool()
-        stats["actor/advantage_abs_mean"] = float(batch["advantages"][mask].abs().mean()) if mask.any() else 0.0
+            stats = self.train_minibatch({k: v[rows] for k, v in batch.items()})
+        stats.update(combine_stats(self._mb_stats))
+        adv = batch["advantages"][batch["loss_mask"].bool()]
+        if adv.numel():
+            stats.update({"actor/advantage_mean": float(adv.mean()), "actor/advantage_std": float(adv.std(unbiased=False)),
+                          "actor/advantage_max": float(adv.max()), "actor/advantage_min": float(adv.min()),
+                          "actor/advantage_abs_mean": float(adv.abs().mean())})
         return stats
+
+
+def combine_stats(per_mb: list[dict[str, float]], prefix: str = "actor/") -> dict[str, float]:
+    """Combine per-micro-batch loss stats: keys ending in ``_max`` by max, ``_min`` by min,
+    the rest by their mean; each key is prefixed with ``prefix``."""
+    out = {}
+    for key in per_mb[0] if per_mb else []:
+        vals = [s[key] for s in per_mb if key in s]
+        fn = max if key.endswith("_max") else min if key.endswith("_min") else (lambda v: sum(v) / len(v))
+        out[prefix + key] = float(fn(vals))
+    return out
