@@ -124,6 +124,7 @@ class GRPOAlgoConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman 2020) for the kl_coef term
     overlong_penalty: int = 0  # DAPO soft overlong punishment window L_cache [tokens]; 0 = off
     overlong_penalty_factor: float = 1.0  # scale of that penalty (added to the reward)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample until the batch is full
 
 
 @dataclass
@@ -143,6 +144,19 @@ class ReinforcePPAlgoConfig(GRPOAlgoConfig):
     gamma: float = 1.0  # discount of token rewards
     kl_in_reward: bool = True  # kl_coef·KL(π_behav‖π_ref) as a per-token reward penalty (else a loss term)
     kl_estimator: str = "k1"  # estimator of that KL (the paper's reward penalty is k1)
+
+
+@dataclass
+class PPOAlgoConfig(GRPOAlgoConfig):
+    """PPO with a critic (see arealite/algorithms/ppo.py); GRPO keys apply to the actor loss."""
+
+    gamma: float = 1.0  # discount γ of GAE
+    lam: float = 1.0  # GAE λ (1 = Monte-Carlo return minus the value baseline)
+    value_eps_clip: float | None = 0.2  # value clipping range ε_v around V_old (None = no clip)
+    adv_whiten: bool = True  # whiten GAE advantages over the global batch
+    reward_norm: str = "none"  # none | group (GRPO-style) | batch (whiten sequence rewards)
+    kl_in_reward: bool = True  # kl_coef·KL(π_behav‖π_ref) as a per-token reward penalty (else a loss term)
+    kl_estimator: str = "k1"  # estimator of that KL (the usual RLHF reward penalty is k1)
 
 
 @dataclass
@@ -175,6 +189,89 @@ class GRPOConfig:
     algo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    evaluator: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def output_dir(self) -> str:
+        return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
+
+
+@dataclass
+class GSPOConfig(GRPOConfig):
+    """Top-level config of the GSPO math recipe (GRPO's loop, GSPO's sequence-level ratio)."""
+
+    experiment_name: str = "gspo_math"
+    algo: GSPOAlgoConfig = field(default_factory=GSPOAlgoConfig)
+
+
+@dataclass
+class PPOConfig(GRPOConfig):
+    """Top-level config of the PPO math recipe: GRPO's loop plus a critic engine."""
+
+    experiment_name: str = "ppo_math"
+    algo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
+    # the critic: the actor's backbone with a value head; its own optimizer
+    critic: TrainEngineConfig = field(default_factory=lambda: TrainEngineConfig(
+        optimizer=OptimizerConfig(lr=2e-5)))
+
+
+@dataclass
+class SFTDatasetConfig(DatasetConfig):
+    """A tokenized text dataset: SFT rows (``messages`` or ``question``/``answer``) or preference
+    pairs (``prompt`` or ``messages``, ``chosen``, ``rejected``); None = the embedded arithmetic task."""
+
+    max_length: int = 256  # prompt + response tokens kept per row; longer rows lose their tail [tokens]
+
+
+@dataclass
+class SFTConfig:
+    """Top-level config of the SFT recipe (recipes/sft_math.py)."""
+
+    experiment_name: str = "sft_math"
+    trial_name: str = "trial0"
+    fileroot: str = "outputs"  # logs and checkpoints go to fileroot/experiment/trial
+    seed: int = 1
+    total_train_steps: int = 20  # optimizer updates [steps]
+    eval_freq_steps: int = 10  # held-out loss every N steps (0 = only at start and end)
+    actor: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    train_dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
+    valid_dataset: SFTDatasetConfig = field(default_factory=lambda: SFTDatasetConfig(size=64, batch_size=16))
+    saver: SaverConfig = field(default_factory=SaverConfig)
+
+    @property
+    def output_dir(self) -> str:
+        return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
+
+
+@dataclass
+class DPOAlgoConfig:
+    """DPO / conservative DPO / IPO hyper-parameters (see arealite/algorithms/dpo.py)."""
+
+    beta: float = 0.1  # β: scale of the implicit reward β·log(π/π_ref) (inverse KL strength)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid = DPO (Rafailov 2023); ipo = Azar 2023 Eq. 17
+    label_smoothing: float = 0.0  # ε of conservative DPO: assumed label-flip rate in [0, 0.5) (sigmoid only)
+
+
+@dataclass
+class DPOConfig:
+    """Top-level config of the DPO recipe (recipes/dpo_math.py), offline or online."""
+
+    experiment_name: str = "dpo_math"
+    trial_name: str = "trial0"
+    fileroot: str = "outputs"  # logs, rollouts, checkpoints go to fileroot/experiment/trial
+    seed: int = 1
+    total_train_steps: int = 20  # optimizer updates of the policy [steps]
+    # offline: pairs from train_dataset (a preference jsonl; None = embedded arithmetic pairs);
+    # online: the rollout pipeline samples gconfig.n_samples answers per prompt, the math reward
+    # picks a correct/incorrect pair (consumer_batch_size pairs per step, staleness-bounded)
+    mode: Literal["offline", "online"] = "online"
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)  # online sampling + evaluation
+    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)  # online only
+    actor: TrainEngineConfig = field(default_factory=TrainEngineConfig)  # the reference model is a frozen copy
+    algo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)
+    train_dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)  # pairs (offline) or prompts (online)
+    valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))  # greedy accuracy
     saver: SaverConfig = field(default_factory=SaverConfig)
     evaluator: EvalConfig = field(default_factory=EvalConfig)
 
