@@ -69,14 +69,21 @@ class WeightUpdateMeta:
     """How new weights reach the inference servers.
 
     Attributes:
-        type: "disk" (the trainer saves an HF folder, servers load it).
-        path: folder written by the trainer and read by the servers.
+        type: "disk" (the trainer saves an HF folder, servers load it) or "distributed" (trainer
+            rank 0 broadcasts the parameters to the servers, see arealite/engine/weight_sync.py).
+        path: folder written by the trainer and read by the servers ("disk" only).
         version: the weight version after this update (= completed training steps).
+        addresses: "distributed": the servers, in the same order on every rank.
+        bucket_bytes: "distributed": parameters per broadcast bucket [bytes] (0 = one tensor each).
+        tp_size: "distributed": GPUs per server (each server joins with tp_size ranks).
     """
 
     type: str
     path: str
     version: int
+    addresses: list[str] = field(default_factory=list)
+    bucket_bytes: int = 256 << 20
+    tp_size: int = 1
 
 
 @dataclass

@@ -241,9 +241,16 @@ class FSDPEngine(TrainEngine):
         dist.barrier()
 
     def upload_weights(self, meta: WeightUpdateMeta) -> None:
-        """Disk path: save an HF folder at ``meta.path`` for the servers to load. Collective."""
+        """"disk": save an HF folder at ``meta.path`` for the servers to load. "distributed":
+        gather full tensors bucket by bucket and broadcast them from rank 0 to
+        ``meta.addresses`` (:func:`arealite.engine.weight_sync.broadcast_weights`). Collective."""
+        if meta.type == "distributed":
+            from arealite.engine.weight_sync import broadcast_weights
+
+            broadcast_weights(self.model, meta.addresses, meta.version, meta.bucket_bytes, tp_size=meta.tp_size)
+            return
         if meta.type != "disk":
-            raise ValueError(f"weight update type {meta.type!r} is not supported yet; use 'disk'")
+            raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")
         self.save(meta.path)
 
     def destroy(self) -> None:
