@@ -33,6 +33,7 @@ class GenerationConfig:
     top_k: int = -1  # top-k sampling (-1 disables)
     greedy: bool = False  # temperature 0 (evaluation)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides EOS
+    stop: list[str] = field(default_factory=list)  # stop strings (the server needs a tokenizer)
 
     def sampling_params(self) -> dict[str, Any]:
         """The SGLang-style ``sampling_params`` dict for one request (``n`` is always 1)."""
@@ -42,6 +43,7 @@ class GenerationConfig:
             "top_k": self.top_k,
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.stop_token_ids),
+            **({"stop": list(self.stop)} if self.stop else {}),
         }
 
 
@@ -84,8 +86,12 @@ class TrainEngineConfig:
 class InferenceEngineConfig:
     """Rollout side: servers, client and the staleness-aware executor."""
 
-    backend: Literal["local"] = "local"  # our transformers server (sglang/vllm: later)
+    backend: Literal["local", "sglang", "vllm"] = "local"  # local = our transformers server
     addresses: list[str] = field(default_factory=list)  # "host:port" of running servers; [] = launch
+    weight_sync: Literal["disk", "distributed"] = "disk"  # HF folder on disk, or broadcast (gloo/NCCL)
+    weight_sync_bucket_mb: float = 256.0  # distributed: parameters per broadcast bucket [MiB]
+    tp_size: int = 1  # sglang/vllm: GPUs (tensor-parallel ranks) per server
+    server_args: list[str] = field(default_factory=list)  # sglang/vllm: extra launch flags, e.g. ["--mem-fraction-static", "0.8"]
     n_servers: int = 1  # servers to launch when no addresses are given
     server_threads: int = 1  # torch threads per launched server process
     server_max_batch_size: int = 128  # concurrent sequences decoded together per server
