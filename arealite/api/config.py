@@ -173,6 +173,17 @@ class SaverConfig:
 
 
 @dataclass
+class RecoverConfig:
+    """Recover checkpoints under ``output_dir/recover/stepN`` for exact resume after a crash
+    (model + optimizer shards, LR schedule, data position, RNG, version, staleness counters;
+    see arealite/utils/recover.py). Written every ``freq_steps`` whatever the mode."""
+
+    mode: Literal["disabled", "auto", "resume"] = "disabled"  # disabled: fresh | auto: newest complete one, if any | resume: must exist
+    freq_steps: int = 0  # write a recover checkpoint every N steps (0 = never) [steps]
+    keep_last: int = 1  # complete recover checkpoints kept on disk (older ones deleted)
+
+
+@dataclass
 class EvalConfig:
     """Greedy held-out accuracy on ``valid_dataset`` through the inference servers."""
 
@@ -197,6 +208,7 @@ class GRPOConfig:
     valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))
     saver: SaverConfig = field(default_factory=SaverConfig)
     evaluator: EvalConfig = field(default_factory=EvalConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
 
     @property
     def output_dir(self) -> str:
