@@ -27,7 +27,7 @@ import yaml
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from arealite.algorithms.grpo import GRPO
+from arealite.algorithms.grpo import GRPO, DynamicSampling
 from arealite.api.config import GRPOConfig, load_config, to_dict
 from arealite.api.io_struct import WeightUpdateMeta
 from arealite.dataset.math_data import load_dataset
@@ -70,12 +70,20 @@ def rollout_stats(batch: dict, version: int, prev_train_end: float, rollout) -> 
         "rollout/reward": reward_sum / n, "rollout/staleness_max": stale_max, "rollout/no_eos_ratio": no_eos / n,
         "rollout/overlap_frac": overlap / n, "rollout/n_samples": n, "rollout/n_tokens": n_tokens,
         "rollout/dropped_stale": float(stat.dropped_stale), "rollout/failed": float(stat.failed),
+        "rollout/rejected": float(stat.rejected),
         "time/batch_rollout_start_min": first_start,
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    config = load_config(GRPOConfig, argv)
+def build_grpo(config: GRPOConfig, actor: FSDPEngine, ref: FSDPEngine | None, model_path: str) -> GRPO:
+    """This recipe's algorithm. ``gspo_math.py`` and ``ppo_math.py`` run the same loop with
+    another ``build_algorithm`` (and config class)."""
+    return GRPO(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,
+                max_new_tokens=config.gconfig.max_new_tokens)
+
+
+def main(argv: list[str] | None = None, config_cls: type = GRPOConfig, build_algorithm=build_grpo) -> dict:
+    config = load_config(config_cls, argv)
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     random.seed(config.seed + rank)
@@ -109,10 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
     if config.algo.kl_coef > 0:
         ref = FSDPEngine(config.actor, temperature=config.gconfig.temperature, trainable=False)
         ref.initialize(model_path)
-    algo = GRPO(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,
-                max_new_tokens=config.gconfig.max_new_tokens)
-    workflow = RLVRWorkflow(math_reward, config.gconfig, tokenizer,
-                            dump_dir=os.path.join(out, "rollouts") if rank == 0 else None)
+    algo = build_algorithm(config, actor, ref, model_path)
+    rlvr = RLVRWorkflow(math_reward, config.gconfig, tokenizer,
+                        dump_dir=os.path.join(out, "rollouts") if rank == 0 else None)
+    # DAPO dynamic sampling: groups with all-equal rewards are dropped and replaced by new ones
+    # (the run stops with an error after 8 batches' worth of such groups in a row)
+    workflow = DynamicSampling(rlvr, 8 * config.rollout.consumer_batch_size) if config.algo.dynamic_sampling else rlvr
     stats_logger = StatsLogger(out, rank, config.total_train_steps)
     weight_dir = os.path.join(out, "weight_update")
 
@@ -177,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     stats_logger.summary(config.total_train_steps, {k: float(v) for k, v in summary.items()})
     stats_logger.close()
     rollout.destroy()
-    workflow.reward_worker.close()
+    rlvr.reward_worker.close()
     actor.destroy()
     return summary
 

@@ -57,14 +57,29 @@ class DynamicSampling(RolloutWorkflow):
     """Wrap ``inner`` so that episodes failing :func:`should_accept` are rejected (DAPO §3.2).
 
     The executor then keeps sampling prompts until ``prepare_batch`` has a full batch of
-    accepted groups; the number of rejected groups is ``RolloutStat.rejected``."""
+    accepted groups; the number of rejected groups is ``RolloutStat.rejected``.
 
-    def __init__(self, inner: RolloutWorkflow):
-        self.inner = inner
+    Raises (from :meth:`arun_episode`, counted as a failed episode by the executor, which stops
+    the run after repeated failures instead of sampling forever): RuntimeError after
+    ``max_consecutive_rejections`` rejected groups in a row — every group has all-equal
+    rewards, i.e. the task is far too hard or too easy for the current policy.
+    """
+
+    def __init__(self, inner: RolloutWorkflow, max_consecutive_rejections: int = 256):
+        self.inner, self.max_rejections, self.rejected_in_a_row = inner, max_consecutive_rejections, 0
 
     async def arun_episode(self, engine, data):
         traj = await self.inner.arun_episode(engine, data)
-        return traj if traj is not None and should_accept(traj) else None
+        if traj is not None and should_accept(traj):
+            self.rejected_in_a_row = 0
+            return traj
+        self.rejected_in_a_row += 1
+        if self.rejected_in_a_row > self.max_rejections:
+            raise RuntimeError(
+                f"algo.dynamic_sampling: {self.rejected_in_a_row} groups in a row had all-equal rewards "
+                "(no learning signal); the task is too hard or too easy for this model. "
+                "Set --algo.dynamic_sampling False or change the data.")
+        return None
 
 
 class GRPO(Algorithm):
