@@ -56,18 +56,21 @@ def load_dataset_or_explain(name: str, cfg, split: str, seed: int) -> list[dict]
 
 def rollout_stats(batch: dict, version: int, prev_train_end: float, rollout) -> dict[str, float]:
     """Batch statistics over all ranks. Staleness = trainer version − oldest version among the
-    trained tokens (≤ η by construction); overlap = share of rows whose generation began before
-    the previous training step ended (0 in synchronous mode)."""
+    trained tokens (≤ η by construction; ``staleness_mean`` averages over those tokens);
+    overlap = share of rows whose generation began before the previous training step ended
+    (0 in synchronous mode)."""
     gen = batch["versions"][batch["loss_mask"].bool()]  # versions of the trained tokens
-    reward_sum, n_tokens, no_eos, overlap, n = all_reduce([
+    reward_sum, n_tokens, no_eos, overlap, n, stale_sum, n_gen = all_reduce([
         float(batch["rewards"].sum()), float(batch["attention_mask"].sum()), float(batch["no_eos"].sum()),
         float((batch["rollout_start_time"] < prev_train_end).sum()), float(batch["rewards"].numel()),
+        float((version - gen).sum()), float(gen.numel()),
     ])
     stale_max, = all_reduce([float(version - gen.min()) if gen.numel() else 0.0], dist.ReduceOp.MAX)
     first_start, = all_reduce([float(batch["rollout_start_time"].min())], dist.ReduceOp.MIN)
     stat = rollout.executor.staleness.stat
     return {
-        "rollout/reward": reward_sum / n, "rollout/staleness_max": stale_max, "rollout/no_eos_ratio": no_eos / n,
+        "rollout/reward": reward_sum / n, "rollout/staleness_max": stale_max,
+        "rollout/staleness_mean": stale_sum / max(n_gen, 1.0), "rollout/no_eos_ratio": no_eos / n,
         "rollout/overlap_frac": overlap / n, "rollout/n_samples": n, "rollout/n_tokens": n_tokens,
         "rollout/dropped_stale": float(stat.dropped_stale), "rollout/failed": float(stat.failed),
         "rollout/rejected": float(stat.rejected),
