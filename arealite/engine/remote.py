@@ -14,6 +14,15 @@ Protocol subset: ``../shared/reference/inference-protocols.md`` §1 and §3.
 * Server choice: a request id (``rid``) sticks to the server first chosen for it (all samples
   of a prompt and all turns of an episode share the prefix), new rids go to the server with the
   fewest outstanding requests.
+* Failures: a server that refuses connections or does not answer within
+  ``rollout.request_timeout`` is marked dead for ``DEAD_SERVER_COOLDOWN`` seconds and the
+  request (with its partial output) moves to a live server. After ``rollout.request_retries``
+  failed attempts ``agenerate`` raises :class:`ServerTimeoutError` (a ``TimeoutError``) or
+  :class:`ServerError`, so a stalled server costs at most
+  ``request_retries × request_timeout`` plus the backoff sleeps (1 s, 2 s, … between attempts
+  on the same server; none when another server is live).
+* Backends: SGLang's protocol (``backend`` "local" and "sglang") or vLLM's OpenAI
+  ``/v1/completions`` (``backend`` "vllm"), through the small adapters below.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -39,8 +49,121 @@ logger = logging.getLogger("arealite.remote")
 _RID_CACHE_SIZE = 1024
 
 
+DEAD_SERVER_COOLDOWN = 30.0  # [s] a failed server gets no new requests for this long
+
+
 class ServerError(RuntimeError):
     """A server answered with an HTTP error (not retried when it is a 4xx: the request is bad)."""
+
+
+class ServerTimeoutError(ServerError, TimeoutError):
+    """No server answered a request within the configured bound."""
+
+
+# ----------------------------------------------------------------------------- backend adapters
+
+
+class SGLangAdapter:
+    """SGLang's ``/generate`` protocol (also spoken by :mod:`arealite.engine.server`).
+
+    Reference: ``../shared/reference/inference-protocols.md`` §1.
+    """
+
+    name = "sglang"
+    generate_endpoint = "/generate"
+
+    @staticmethod
+    def build_request(input_ids: list[int], sampling_params: dict) -> dict:
+        """``{"input_ids", "sampling_params", "return_logprob": true, "stream": false}``; no rid
+        (the server keys in-flight state by rid, and samples of one prompt share ours)."""
+        return {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                "return_logprob": True, "stream": False}
+
+    @staticmethod
+    def parse_response(result: dict) -> tuple[list[int], list[float], str, int | None]:
+        """``(tokens, logprobs, finish type, weight version or None)`` of one reply.
+
+        Tokens and logprobs come from ``meta_info.output_token_logprobs`` triples
+        ``[logprob, id, text]``; a missing list (SGLang's "Abort before prefill" reply) means
+        zero tokens. ``weight_version`` is used when it is an integer (SGLang's default is the
+        string "default")."""
+        meta = result["meta_info"]
+        triples = meta.get("output_token_logprobs") or []
+        version = meta.get("weight_version")
+        try:
+            version = int(version) if version is not None else None
+        except (TypeError, ValueError):
+            version = None
+        return ([int(t[1]) for t in triples], [float(t[0]) for t in triples],
+                meta["finish_reason"]["type"], version)
+
+    pause = ("/pause_generation", {})
+    resume = ("/continue_generation", {})
+
+    @staticmethod
+    def disk_update(path: str, version: int) -> tuple[str, dict]:
+        return "/update_weights_from_disk", {"model_path": path, "weight_version": version,
+                                             "abort_all_requests": True}
+
+
+class VLLMAdapter:
+    """vLLM's OpenAI ``/v1/completions`` with token-id prompts (``inference-protocols.md`` §2).
+
+    Logprobs: vLLM reports pre-temperature logprobs unless it runs with
+    ``--logprobs-mode processed_logprobs``, which the launcher passes
+    (:func:`arealite.launcher.local.vllm_command`); servers given by address must be started
+    with it too, or trainer and server logprobs disagree whenever ``temperature != 1``.
+    Pause/resume use vLLM's native ``/pause?mode=abort`` and ``/resume`` (vLLM PR #28037).
+    """
+
+    name = "vllm"
+    generate_endpoint = "/v1/completions"
+
+    @staticmethod
+    def build_request(input_ids: list[int], sampling_params: dict) -> dict:
+        """Flat OpenAI body: ``prompt`` = token ids, ``max_tokens``, ``logprobs: 0`` (the sampled
+        token only) and ``return_tokens_as_token_ids`` (tokens come back as "token_id:N")."""
+        sp = sampling_params
+        body = {
+            "prompt": list(input_ids),
+            "max_tokens": sp["max_new_tokens"],
+            "temperature": sp.get("temperature", 1.0),
+            "top_p": sp.get("top_p", 1.0),
+            "top_k": sp.get("top_k", -1),
+            "stop_token_ids": list(sp.get("stop_token_ids", [])),
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "ignore_eos": bool(sp.get("ignore_eos", False)),
+            "stream": False,
+        }
+        if sp.get("stop"):
+            body["stop"] = list(sp["stop"])
+        return body
+
+    @staticmethod
+    def parse_response(result: dict) -> tuple[list[int], list[float], str, int | None]:
+        """``choices[0]``: ``logprobs.tokens`` ("token_id:N"), ``logprobs.token_logprobs`` and
+        ``finish_reason`` ("stop" | "length" | "abort"); vLLM reports no weight version."""
+        choice = result["choices"][0]
+        lp = choice.get("logprobs") or {}
+        tokens = [int(str(t).rsplit(":", 1)[1]) for t in lp.get("tokens") or []]
+        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+        if len(tokens) != len(logprobs):
+            raise ServerError(f"vLLM reply has {len(tokens)} tokens but {len(logprobs)} logprobs")
+        return tokens, logprobs, choice.get("finish_reason") or "abort", None
+
+    pause = ("/pause?mode=abort", {})
+    resume = ("/resume", {})
+
+    @staticmethod
+    def disk_update(path: str, version: int) -> tuple[str, dict]:
+        raise ValueError("rollout.backend=vllm: plain vLLM has no weight-update endpoint; "
+                         "use rollout.backend=sglang (or local) for RL training, or vLLM for "
+                         "evaluation only")
+
+
+ADAPTERS = {"local": SGLangAdapter, "sglang": SGLangAdapter, "vllm": VLLMAdapter}
 
 
 def post_json(address: str, endpoint: str, payload: dict | None = None, timeout: float = 60.0,
@@ -96,7 +219,7 @@ class RemoteInferenceEngine(InferenceEngine):
     """Rollout engine of one trainer rank: HTTP client to ``addresses`` + a :class:`WorkflowExecutor`.
 
     Args:
-        config: ``rollout`` config (timeouts, retries, staleness).
+        config: ``rollout`` config (backend, timeouts, retries, staleness, weight sync).
         addresses: ``host:port`` of every server (same order on every rank).
         world_size: trainer ranks (the executor's per-rank batch is divided by it).
     """
@@ -104,9 +227,16 @@ class RemoteInferenceEngine(InferenceEngine):
     def __init__(self, config: InferenceEngineConfig, addresses: list[str], world_size: int = 1):
         if not addresses:
             raise ValueError("rollout.addresses is empty: launch servers first or pass host:port addresses")
+        if config.backend not in ADAPTERS:
+            raise ValueError(f"rollout.backend={config.backend!r}: use one of {sorted(ADAPTERS)}")
+        if config.weight_sync == "distributed" and config.backend == "vllm":
+            raise ValueError("rollout.weight_sync=distributed is not supported with rollout.backend=vllm; "
+                             "use rollout.backend=sglang or local")
         self.config, self.addresses = config, list(addresses)
+        self.adapter = ADAPTERS[config.backend]
         self.executor = WorkflowExecutor(config, self, world_size)
         self._outstanding = {a: 0 for a in self.addresses}
+        self._dead_until = {a: 0.0 for a in self.addresses}  # monotonic time; 0 = alive
         self._rid_to_addr: OrderedDict[str, str] = OrderedDict()
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
@@ -117,17 +247,34 @@ class RemoteInferenceEngine(InferenceEngine):
     def destroy(self) -> None:
         self.executor.destroy()
 
-    # -- generation --------------------------------------------------------------------------
+    # -- server choice -----------------------------------------------------------------------
+    def live_addresses(self) -> list[str]:
+        """Servers not marked dead (a dead mark expires after ``DEAD_SERVER_COOLDOWN`` s)."""
+        now = time.monotonic()
+        return [a for a in self.addresses if self._dead_until[a] <= now]
+
+    def mark_dead(self, addr: str) -> None:
+        """Send no new requests to ``addr`` for ``DEAD_SERVER_COOLDOWN`` seconds."""
+        self._dead_until[addr] = time.monotonic() + DEAD_SERVER_COOLDOWN
+        for rid in [r for r, a in self._rid_to_addr.items() if a == addr]:
+            del self._rid_to_addr[rid]
+
     def _choose_server(self, rid: str) -> str:
-        if rid in self._rid_to_addr:
+        live = self.live_addresses()
+        if rid in self._rid_to_addr and self._rid_to_addr[rid] in live:
             self._rid_to_addr.move_to_end(rid)
             return self._rid_to_addr[rid]
-        addr = min(self.addresses, key=lambda a: self._outstanding[a])
+        # Least outstanding requests among live servers; if all are dead, the one whose mark
+        # expires first (it may have come back).
+        pool = live or [min(self.addresses, key=lambda a: self._dead_until[a])]
+        addr = min(pool, key=lambda a: self._outstanding[a])
         self._rid_to_addr[rid] = addr
+        self._rid_to_addr.move_to_end(rid)
         if len(self._rid_to_addr) > _RID_CACHE_SIZE:
             self._rid_to_addr.popitem(last=False)
         return addr
 
+    # -- HTTP ----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
         # One session per event loop (the executor's loop, or a caller's own asyncio.run).
         loop = asyncio.get_running_loop()
@@ -144,93 +291,134 @@ class RemoteInferenceEngine(InferenceEngine):
         if sess is not None:
             await sess.close()
 
+    async def _apost_once(self, addr: str, endpoint: str, payload: dict) -> dict:
+        async with self._session().post(f"http://{addr}{endpoint}", json=payload) as resp:
+            if 400 <= resp.status < 500:
+                raise ServerError(f"{addr}{endpoint} answered {resp.status}: {await resp.text()}")
+            resp.raise_for_status()
+            return await resp.json()
+
     async def _apost(self, addr: str, endpoint: str, payload: dict) -> dict:
-        """POST with retries on connection errors and timeouts; 4xx raises at once."""
+        """POST to one server with retries on connection errors and timeouts; 4xx raises at once."""
         last: Exception | None = None
         for attempt in range(max(1, self.config.request_retries)):
             try:
-                async with self._session().post(f"http://{addr}{endpoint}", json=payload) as resp:
-                    if 400 <= resp.status < 500:
-                        raise ServerError(f"{addr}{endpoint} answered {resp.status}: {await resp.text()}")
-                    resp.raise_for_status()
-                    return await resp.json()
+                return await self._apost_once(addr, endpoint, payload)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = e
                 logger.warning("%s%s attempt %d failed: %r", addr, endpoint, attempt + 1, e)
             if attempt + 1 < self.config.request_retries:
                 await asyncio.sleep(2**attempt)
-        raise ServerError(
-            f"{addr}{endpoint}: no answer after {self.config.request_retries} attempts "
-            f"(rollout.request_timeout={self.config.request_timeout} s): {last!r}"
-        ) from last
+        raise self._give_up(f"{addr}{endpoint}", last)
 
+    def _give_up(self, where: str, last: Exception | None) -> ServerError:
+        cls = ServerTimeoutError if isinstance(last, asyncio.TimeoutError) else ServerError
+        return cls(f"{where}: no answer after {self.config.request_retries} attempts "
+                   f"(rollout.request_timeout={self.config.request_timeout} s, "
+                   f"rollout.request_retries={self.config.request_retries}): {last!r}")
+
+    async def _generate_segment(self, rid: str, payload: dict) -> dict:
+        """One generation call with failover: on a connection error or timeout the server is
+        marked dead and the next attempt goes to another live server (or, if none, to the same
+        one after a backoff)."""
+        last: Exception | None = None
+        attempts = max(1, self.config.request_retries)
+        for attempt in range(attempts):
+            addr = self._choose_server(rid)
+            self._outstanding[addr] += 1
+            try:
+                return await self._apost_once(addr, self.adapter.generate_endpoint, payload)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = e
+                logger.warning("%s%s attempt %d/%d failed: %r", addr, self.adapter.generate_endpoint,
+                               attempt + 1, attempts, e)
+                self.mark_dead(addr)
+            finally:
+                self._outstanding[addr] -= 1
+            if attempt + 1 < attempts and not self.live_addresses():
+                await asyncio.sleep(2**attempt)
+        raise self._give_up(f"{self.adapter.generate_endpoint} (rid {rid})", last)
+
+    # -- generation ----------------------------------------------------------------------------
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        """Generate one completion; see the module docstring for interruption handling.
+        """Generate one completion; see the module docstring for interruption and failover.
 
         Returns: a :class:`ModelResponse` whose ``stop_reason`` is "stop" or "length".
 
         Raises:
-            ServerError: the server rejected the request (4xx) or never answered.
+            ServerTimeoutError: no server answered within ``request_retries`` attempts of
+                ``request_timeout`` seconds each (plus backoff).
+            ServerError: the server rejected the request (4xx) or failed repeatedly.
         """
         start = time.perf_counter()
         gconfig = req.gconfig
         budget = gconfig.max_new_tokens
         resp = ModelResponse(input_tokens=list(req.input_ids))
-        addr = self._choose_server(req.rid)
-        self._outstanding[addr] += 1
-        try:
-            while True:
-                while self.executor.is_paused():  # a weight update is in progress
-                    await asyncio.sleep(0.05)
-                params = gconfig.sampling_params()
-                params["max_new_tokens"] = budget - resp.output_len
-                payload = {
-                    "input_ids": resp.input_tokens + resp.output_tokens,
-                    "sampling_params": params,
-                    "return_logprob": True,
-                }
-                result = await self._apost(addr, "/generate", payload)
-                meta = result["meta_info"]
-                triples = meta.get("output_token_logprobs") or []  # missing = zero tokens
-                version = int(meta.get("weight_version", self.get_version()))
-                resp.output_tokens += [int(t[1]) for t in triples]
-                resp.output_logprobs += [float(t[0]) for t in triples]
-                resp.output_versions += [version] * len(triples)
-                resp.stop_reason = meta["finish_reason"]["type"]
-                if resp.stop_reason != "abort" or resp.output_len >= budget:
-                    break
-        finally:
-            self._outstanding[addr] -= 1
+        while True:
+            while self.executor.is_paused():  # a weight update is in progress
+                await asyncio.sleep(0.05)
+            params = gconfig.sampling_params()
+            params["max_new_tokens"] = budget - resp.output_len
+            payload = self.adapter.build_request(resp.input_tokens + resp.output_tokens, params)
+            result = await self._generate_segment(req.rid, payload)
+            tokens, logprobs, finish, version = self.adapter.parse_response(result)
+            version = self.get_version() if version is None else version
+            resp.output_tokens += tokens
+            resp.output_logprobs += logprobs
+            resp.output_versions += [version] * len(tokens)
+            resp.stop_reason = finish
+            if resp.stop_reason != "abort" or resp.output_len >= budget:
+                break
         if resp.stop_reason == "abort":  # aborted exactly at the end of the budget
             resp.stop_reason = "length"
         resp.latency = time.perf_counter() - start
         return resp
 
     # -- weight updates (called by trainer rank 0) --------------------------------------------------
-    def _all_servers(self, endpoint: str, payload: dict | None = None) -> list[dict]:
-        return [
-            post_json(a, endpoint, payload, timeout=self.config.request_timeout, retries=self.config.request_retries)
-            for a in self.addresses
-        ]
+    def _all_servers(self, endpoint: str, payload: dict | None = None, method: str = "POST") -> list[dict]:
+        """The same request to every live server, concurrently (servers marked dead are skipped)."""
+        addrs = self.live_addresses() or self.addresses
+        with ThreadPoolExecutor(len(addrs)) as pool:
+            futures = [pool.submit(post_json, a, endpoint, payload, self.config.request_timeout,
+                                   self.config.request_retries, method) for a in addrs]
+            return [f.result() for f in futures]
 
     def pause_generation(self) -> None:
-        self._all_servers("/pause_generation")
+        """Servers abort in-flight requests (partial outputs return) and hold new ones."""
+        self._all_servers(*self.adapter.pause)
 
     def continue_generation(self) -> None:
-        self._all_servers("/continue_generation")
+        self._all_servers(*self.adapter.resume)
+
+    def weight_update_meta(self, path: str, version: int) -> WeightUpdateMeta:
+        """The :class:`WeightUpdateMeta` for this config (``rollout.weight_sync``): the trainer
+        passes it to ``upload_weights`` (all ranks) and rank 0 to :meth:`update_weights`."""
+        return WeightUpdateMeta(type=self.config.weight_sync, path=path, version=version,
+                                addresses=list(self.addresses), tp_size=self.config.tp_size,
+                                bucket_bytes=int(self.config.weight_sync_bucket_mb * 2**20))
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """Every server loads the HF folder ``meta.path`` and reports ``meta.version``.
+        """"disk": every server loads the HF folder ``meta.path`` and reports ``meta.version``.
+        "distributed": the trainer's ``upload_weights`` already pushed the tensors; check that
+        every server reports ``meta.version``.
 
         Raises:
-            ValueError: ``meta.type`` is not "disk".
-            ServerError: a server failed to load the weights.
+            ValueError: unknown ``meta.type`` (or the backend cannot load weights from disk).
+            ServerError: a server failed to load the weights or reports another version.
         """
-        if meta.type != "disk":
-            raise ValueError(f"weight update type {meta.type!r} is not supported yet; use 'disk'")
-        for reply in self._all_servers("/update_weights_from_disk", {"model_path": meta.path, "weight_version": meta.version}):
-            if not reply.get("success", False):
-                raise ServerError(f"update_weights_from_disk failed: {reply}")
+        if meta.type == "disk":
+            endpoint, payload = self.adapter.disk_update(meta.path, meta.version)
+            for reply in self._all_servers(endpoint, payload):
+                if not reply.get("success", False):
+                    raise ServerError(f"update_weights_from_disk failed: {reply}")
+        elif meta.type == "distributed":
+            for a in self.live_addresses() or self.addresses:
+                info = post_json(a, "/get_model_info", timeout=30, retries=self.config.request_retries, method="GET")
+                if "weight_version" in info and str(info["weight_version"]) != str(meta.version):
+                    raise ServerError(f"{a} reports weight_version {info['weight_version']!r} after a distributed "
+                                      f"update to version {meta.version}")
+        else:
+            raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")
 
     # -- executor delegation -------------------------------------------------------------------------
     def submit(self, data, workflow) -> None:

@@ -13,15 +13,19 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
 
 - ``POST /generate`` -- one sequence per request (``n`` must be 1), ``input_ids`` only
   (no text), ``sampling_params`` with ``temperature``, ``top_p``, ``top_k``,
-  ``max_new_tokens``, ``stop_token_ids`` and ``ignore_eos``; ``return_logprob`` adds
-  ``meta_info.output_token_logprobs`` as ``[[logprob, token_id, null], ...]``.
+  ``max_new_tokens``, ``stop_token_ids``, ``stop`` (strings; needs a tokenizer in the model
+  folder) and ``ignore_eos``; ``return_logprob`` adds ``meta_info.output_token_logprobs`` as
+  ``[[logprob, token_id, null], ...]``.
 - ``GET /health``, ``GET /get_model_info``.
 - ``POST /pause_generation`` / ``POST /continue_generation`` (abort-on-pause semantics).
 - ``POST /update_weights_from_disk`` (safetensors, applied between decode steps).
+- ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
+  ``POST /destroy_weights_update_group``: weights broadcast by the trainer (gloo on CPU, NCCL on
+  GPU), see :mod:`arealite.engine.weight_sync`.
 
-Not implemented: text prompts, streaming, ``n > 1``, stop strings, penalties, min_p,
-distributed weight updates, LoRA, input logprobs, sliding-window KV caches (the cache
-padding/merging below assumes full-attention ``DynamicLayer`` caches).
+Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA, input logprobs,
+tensor parallelism, sliding-window KV caches (the cache padding/merging below assumes
+full-attention ``DynamicLayer`` caches).
 
 Design: the model lives in ONE scheduler thread.  HTTP handlers (aiohttp, event-loop thread)
 put messages on a thread-safe queue and await an asyncio future that the scheduler resolves
@@ -80,6 +84,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: frozenset = frozenset()
     ignore_eos: bool = False
+    stop: tuple = ()  # stop strings
 
 
 def _is_int(x) -> bool:
@@ -90,7 +95,8 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def parse_generate_request(body, vocab_size: int, max_positions: int | None):
+def parse_generate_request(body, vocab_size: int, max_positions: int | None,
+                           has_tokenizer: bool = True):
     """Validate a ``/generate`` body; return ``(input_ids, SamplingParams, return_logprob, rid)``.
 
     Raises ``RequestError`` naming the offending field and how to fix it.
@@ -135,6 +141,18 @@ def parse_generate_request(body, vocab_size: int, max_positions: int | None):
     if not isinstance(stop, list) or not all(_is_int(s) for s in stop):
         raise RequestError("sampling_params.stop_token_ids",
                            "stop_token_ids must be a list of integers")
+    stop_str = sp.get("stop", [])
+    if stop_str is None:
+        stop_str = []
+    if isinstance(stop_str, str):
+        stop_str = [stop_str]
+    if not isinstance(stop_str, list) or not all(isinstance(x, str) and x for x in stop_str):
+        raise RequestError("sampling_params.stop",
+                           "stop must be a non-empty string or a list of non-empty strings")
+    if stop_str and not has_tokenizer:
+        raise RequestError("sampling_params.stop",
+                           "stop strings need a tokenizer in the server's model folder; save "
+                           "one there or use stop_token_ids")
     ignore_eos = sp.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise RequestError("sampling_params.ignore_eos", "ignore_eos must be true or false")
@@ -149,7 +167,8 @@ def parse_generate_request(body, vocab_size: int, max_positions: int | None):
             f"{max(max_positions - len(ids), 0)} or shorten the prompt")
     rid = body.get("rid")
     rid = str(rid) if rid is not None else uuid.uuid4().hex
-    params = SamplingParams(float(t), float(top_p), top_k, max_new, frozenset(stop), ignore_eos)
+    params = SamplingParams(float(t), float(top_p), top_k, max_new, frozenset(stop), ignore_eos,
+                            tuple(stop_str))
     return ids, params, return_logprob, rid
 
 
@@ -242,6 +261,26 @@ def load_weights_from_disk(model: torch.nn.Module, path: str) -> int:
     return len(loaded), unexpected
 
 
+def load_named_tensors(model: torch.nn.Module, tensors: dict) -> int:
+    """Copy a subset of parameters ``{name: tensor}`` into ``model`` in place (one bucket of a
+    distributed update). Names must be known and shapes equal; all are checked before anything
+    is copied. Tied parameters update together (shared storage). Values are cast to the
+    model's dtype. Returns the number of tensors; raises ``ValueError`` naming the first bad one.
+    """
+    expected = model.state_dict()
+    for key, tensor in tensors.items():
+        if key not in expected:
+            raise ValueError(f"unknown parameter {key!r} (the trainer's model architecture "
+                             f"differs from the server's?); e.g. known: {list(expected)[:3]}")
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise ValueError(f"shape mismatch for {key!r}: sent {tuple(tensor.shape)}, "
+                             f"model expects {tuple(expected[key].shape)}")
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            expected[key].copy_(tensor.to(device=expected[key].device, dtype=expected[key].dtype))
+    return len(tensors)
+
+
 # ----------------------------------------------------------------------------- scheduler
 
 
@@ -262,7 +301,7 @@ class Request:
 
 @dataclass
 class _Message:
-    kind: str  # "generate" | "pause" | "update_weights"
+    kind: str  # "generate" | "pause" | "update_weights" | "load_tensors"
     payload: object
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -321,8 +360,9 @@ class Scheduler:
     """Owns the model; runs prefill/decode in one thread with continuous batching."""
 
     def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0,
-                 decode_step_delay: float = 0.0):
+                 decode_step_delay: float = 0.0, tokenizer=None):
         self.model = model
+        self.tokenizer = tokenizer  # optional: stop strings and the reply's "text"
         self.max_batch_size = max_batch_size
         self.decode_step_delay = decode_step_delay
         self.weight_version = weight_version
@@ -393,6 +433,17 @@ class Scheduler:
                 self._waiting.append(req)
         elif msg.kind == "pause":
             _resolve(msg.loop, msg.future, self._abort_all())
+        elif msg.kind == "load_tensors":
+            tensors, version = msg.payload
+            try:
+                n = load_named_tensors(self.model, tensors)
+            except Exception as exc:
+                _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
+                return
+            if version is not None:
+                self.weight_version = version
+            _resolve(msg.loop, msg.future, (200, {
+                "success": True, "message": f"Succeeded to update {n} parameters."}))
         elif msg.kind == "update_weights":
             path, version = msg.payload
             try:
@@ -491,11 +542,26 @@ class Scheduler:
             req.output_ids.append(tok)
             req.logprobs.append(lp)
             p = req.params
+            matched = self._match_stop_string(req) if p.stop else None
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
                 self._finish(req, {"type": "stop", "matched": tok})
+            elif matched is not None:
+                self._finish(req, {"type": "stop", "matched": matched})
             elif len(req.output_ids) >= p.max_new_tokens:
                 self._finish(req, {"type": "length", "length": p.max_new_tokens})
         return tokens
+
+    def _match_stop_string(self, req: Request) -> str | None:
+        """The first stop string that the decoded output now contains, else None.
+
+        Checked after every token, so only the tail that can hold a newly completed match is
+        decoded (each token decodes to >= 1 character; 8 tokens of slack for byte pieces)."""
+        window = max(len(x) for x in req.params.stop) + 8
+        text = self.tokenizer.decode(req.output_ids[-window:])
+        for stop in req.params.stop:
+            if stop in text:
+                return stop
+        return None
 
     def _finish(self, req: Request, reason: dict):
         req.finished = True
@@ -509,7 +575,16 @@ class Scheduler:
         if req.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)]
-        _resolve(req.loop, req.future, {"output_ids": list(req.output_ids), "meta_info": meta})
+        reply = {"output_ids": list(req.output_ids), "meta_info": meta}
+        if self.tokenizer is not None:
+            # Like SGLang: the text ends before a matched stop string, while output_ids and the
+            # logprobs keep every sampled token (including the one completing the stop string).
+            text = self.tokenizer.decode(req.output_ids)
+            cut = text.find(reason["matched"]) if isinstance(reason.get("matched"), str) else -1
+            if cut >= 0:
+                text = text[:cut]
+            reply["text"] = text
+        _resolve(req.loop, req.future, reply)
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -529,6 +604,7 @@ class Server:
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self._resumed: asyncio.Event | None = None  # set = not paused
+        self.groups: dict = {}  # group_name -> (process group, backend) for weight broadcasts
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -538,6 +614,11 @@ class Server:
         app.router.add_post("/pause_generation", self.pause_generation)
         app.router.add_post("/continue_generation", self.continue_generation)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
+        app.router.add_post("/update_weights_from_distributed",
+                            self.update_weights_from_distributed)
+        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        app.router.add_post("/get_weights_by_name", self.get_weights_by_name)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -567,7 +648,7 @@ class Server:
             return _error("body", "request body must be valid JSON")
         try:
             ids, params, return_logprob, rid = parse_generate_request(
-                body, self.vocab_size, self.max_positions)
+                body, self.vocab_size, self.max_positions, self.scheduler.tokenizer is not None)
         except RequestError as e:
             return _error(e.field, e.message)
         while not self._resumed.is_set():
@@ -630,6 +711,141 @@ class Server:
         return web.json_response(result, status=status)
 
 
+    # -- distributed weight updates (SGLang request shapes; see arealite.engine.weight_sync)
+
+    @staticmethod
+    async def _json_object(request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    @staticmethod
+    def _fail(message: str, status: int = 400):
+        return web.json_response({"success": False, "message": message}, status=status)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_update_group`` ``{"master_address": str, "master_port": int
+        (or a numeric string, as AReaL sends), "rank_offset": int, "world_size": int,
+        "group_name": str = "weight_update_group", "backend": "gloo" | "nccl"}``.
+
+        Joins the trainer's weight-update group at rank ``rank_offset`` (no tensor
+        parallelism here) and replies once every rank has joined: ``{"success": true,
+        "message"}``; 400 ``{"success": false, "message"}`` on bad fields or a failed join.
+        """
+        from arealite.engine.weight_sync import DEFAULT_GROUP_NAME, new_weight_update_group
+
+        body = await self._json_object(request)
+        if body is None:
+            return self._fail("body must be a JSON object")
+        try:
+            address = body["master_address"]
+            port = int(body["master_port"])
+            rank, world = body["rank_offset"], body["world_size"]
+        except (KeyError, TypeError, ValueError) as e:
+            return self._fail(f"need master_address, master_port, rank_offset, world_size: {e!r}")
+        name = body.get("group_name", DEFAULT_GROUP_NAME)
+        backend = body.get("backend", "nccl" if self.scheduler.device.type == "cuda" else "gloo")
+        if not (_is_int(rank) and _is_int(world) and 1 <= rank < world):
+            return self._fail("rank_offset and world_size must be integers with "
+                              "1 <= rank_offset < world_size (rank 0 is the trainer)")
+        if backend == "nccl" and self.scheduler.device.type != "cuda":
+            return self._fail("backend 'nccl' needs a GPU server; use 'gloo' on CPU")
+        if name in self.groups:
+            return self._fail(f"group {name!r} exists; destroy it first")
+        loop = asyncio.get_running_loop()
+        try:
+            pg = await loop.run_in_executor(None, new_weight_update_group, address, port, rank,
+                                            world, name, backend)
+        except Exception as e:  # noqa: BLE001 - reported to the trainer
+            logger.exception("joining weight-update group failed")
+            return self._fail(f"joining group {name!r} at {address}:{port} failed: {e}")
+        self.groups[name] = (pg, backend)
+        return web.json_response({"success": True,
+                                  "message": f"Joined {name!r} as rank {rank}/{world}."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_distributed`` ``{"names": [str], "dtypes": [str],
+        "shapes": [[int]], "group_name": str, "weight_version": int?, "flush_cache": bool?}``.
+
+        Receives one broadcast (from rank 0 of the group) per name, in order, into tensors of
+        the declared dtype and shape, then loads them between decode steps. The tensors are
+        always received (so the group's collectives stay aligned) before anything is checked
+        against the model; a bad name or shape gives 400 and leaves the weights untouched.
+        ``flush_cache`` is accepted and ignored (this server keeps no prefix cache).
+        """
+        from arealite.engine.weight_sync import broadcast_tensor, parse_dtype
+
+        body = await self._json_object(request)
+        if body is None:
+            return self._fail("body must be a JSON object")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        name = body.get("group_name", "weight_update_group")
+        version = body.get("weight_version")
+        if name not in self.groups:
+            return self._fail(f"no weight-update group {name!r}; call /init_weights_update_group")
+        ok = (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+              and len(names) == len(dtypes) == len(shapes)
+              and all(isinstance(s, list) and all(_is_int(d) for d in s) for s in shapes))
+        if not ok:
+            return self._fail("names, dtypes and shapes must be lists of equal length "
+                              "(shapes: lists of integers)")
+        if version is not None and not _is_int(version):
+            return self._fail("weight_version must be an integer")
+        try:
+            torch_dtypes = [parse_dtype(d) for d in dtypes]
+        except (ValueError, AttributeError) as e:
+            return self._fail(str(e))
+        pg, backend = self.groups[name]
+        device = self.scheduler.device if backend == "nccl" else torch.device("cpu")
+
+        def receive():
+            out = {}
+            for n, dt, shape in zip(names, torch_dtypes, shapes):
+                t = torch.empty(shape, dtype=dt, device=device)
+                broadcast_tensor(pg, t)
+                out[n] = t
+            return out
+
+        try:
+            tensors = await asyncio.get_running_loop().run_in_executor(None, receive)
+        except Exception as e:  # noqa: BLE001 - reported to the trainer
+            logger.exception("receiving weights failed")
+            return self._fail(f"receiving {len(names)} tensors failed (weights may be partly "
+                              f"updated; push again): {e}")
+        status, result = await self.scheduler.submit("load_tensors", (tensors, version))
+        return web.json_response(result, status=status)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """``POST /get_weights_by_name`` ``{"name": str, "truncate_size": int = 100,
+        "digest": bool = false}`` -> SGLang's reply, the parameter's first ``truncate_size``
+        rows as nested lists; with ``digest`` instead ``{"name", "shape", "dtype", "sha256"}``
+        (sha256 of the float32 bytes, C order) to compare whole tensors cheaply."""
+        import hashlib
+
+        body = await self._json_object(request) or {}
+        state = self.scheduler.model.state_dict()
+        name = body.get("name")
+        if name not in state:
+            return _error("name", f"unknown parameter {name!r}; e.g. {list(state)[:3]}")
+        t = state[name].detach().float().cpu().contiguous()
+        if body.get("digest"):
+            return web.json_response({"name": name, "shape": list(t.shape),
+                                      "dtype": str(state[name].dtype).removeprefix("torch."),
+                                      "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()})
+        size = body.get("truncate_size", 100)
+        return web.json_response(t[:size].tolist() if t.dim() else t.item())
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        """``POST /destroy_weights_update_group`` ``{"group_name": str}``: leave the group."""
+        body = await self._json_object(request) or {}
+        entry = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if entry is None:
+            return self._fail("no such group")
+        return web.json_response({"success": True, "message": "Group destroyed."})
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -666,8 +882,14 @@ def main(argv=None):
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
     model.to(args.device).eval()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
+        tokenizer = None
     scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version,
-                          args.decode_step_delay)
+                          args.decode_step_delay, tokenizer)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)

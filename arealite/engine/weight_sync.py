@@ -1,0 +1,286 @@
+"""Distributed weight sync: the trainer broadcasts parameters to inference servers in buckets.
+
+Protocol (SGLang's, ``../shared/reference/inference-protocols.md`` §1.4 and §6.3):
+
+1. Once: every server gets ``POST /init_weights_update_group`` ``{master_address, master_port,
+   rank_offset, world_size, group_name, backend}`` and joins a process group of
+   ``world_size = n_servers · tp + 1`` ranks at rank ``rank_offset + tp_rank``
+   (``rank_offset = 1 + i · tp``); trainer rank 0 joins the same group as rank 0, at the same
+   time (every join blocks until all ranks are there). The group is *separate* from the
+   trainer's default group: its own ``TCPStore`` (hosted by trainer rank 0) and a
+   ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) built on it, so the servers never
+   see the FSDP ranks.
+2. Every update, for each bucket of parameters (at most ``bucket_bytes``, at least one tensor):
+   every FSDP rank all-gathers the full tensors (``DTensor.full_tensor``, a collective); rank 0
+   posts ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name,
+   flush_cache, weight_version}`` to every server and, concurrently, broadcasts the tensors in
+   the declared order from rank 0. A server allocates ``(dtype, shape)`` per name, receives,
+   then loads the bucket into its model.
+
+Names are HF parameter names from ``model.named_parameters()`` (tied weights appear once, e.g.
+``model.embed_tokens.weight`` and no ``lm_head.weight`` with ``tie_word_embeddings``), dtypes
+are ``str(dtype)`` without ``torch.``, shapes are the full (unsharded) shapes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("arealite.weight_sync")
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+# ----------------------------------------------------------------------------- process group
+
+
+def new_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                            group_name: str, backend: str, timeout_s: float = 600.0):
+    """Join a standalone process group (not the default group) through a TCP rendezvous.
+
+    Rank 0 hosts the ``TCPStore`` at ``master_address:master_port``; the other ranks connect to
+    it. Blocks until all ``world_size`` ranks have joined.
+
+    Args:
+        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors of the current device).
+        timeout_s: rendezvous and collective timeout [s].
+
+    Returns: a :class:`WeightUpdateGroup`; use :func:`broadcast_tensor` on it.
+
+    Raises:
+        ValueError: unknown backend or rank outside ``[0, world_size)``.
+        RuntimeError / DistStoreError: a rank did not join within ``timeout_s``.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    group = WeightUpdateGroup(pg, store, backend, rank, world_size)
+    # A first collective so that every rank has really connected before anyone returns.
+    broadcast_tensor(group, torch.zeros(1, device="cuda" if backend == "nccl" else "cpu"))
+    return group
+
+
+@dataclass
+class WeightUpdateGroup:
+    """A standalone process group and the store it was built on (kept alive with it)."""
+
+    pg: object
+    store: object
+    backend: str
+    rank: int
+    world_size: int
+
+
+def broadcast_tensor(group: WeightUpdateGroup, tensor: torch.Tensor, src: int = 0) -> None:
+    """Blocking broadcast of ``tensor`` (in place on receivers) from ``src`` over ``group``."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    group.pg.broadcast([tensor], opts).wait()
+
+
+# ----------------------------------------------------------------------------- trainer side
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``; ValueError if unknown."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use e.g. 'float32' or 'bfloat16'")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _master_address(addresses: list[str]) -> str:
+    hosts = {a.rsplit(":", 1)[0] for a in addresses}
+    if hosts <= {"127.0.0.1", "localhost"}:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+_GROUPS: dict[tuple, WeightUpdateGroup] = {}  # (addresses, group_name) -> group; trainer rank 0
+
+
+def _run_concurrently(fn, *args):
+    """Run ``fn(*args)`` in a thread; returns a join function that re-raises its exception."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in join
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+
+    def join(timeout: float | None = None):
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"{fn.__name__} did not finish within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    return join
+
+
+def init_group(addresses: list[str], backend: str, tp_size: int = 1,
+               group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0):
+    """Trainer rank 0: create the weight-update group with every server (idempotent).
+
+    Posts ``/init_weights_update_group`` to all servers from a thread while joining as rank 0.
+
+    Raises:
+        ServerError: a server refused to join (its message is included).
+    """
+    from arealite.engine.remote import ServerError, post_json
+
+    key = (tuple(addresses), group_name)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    master, port = _master_address(addresses), _free_port()
+    world = len(addresses) * tp_size + 1
+
+    def post_all():  # concurrently: each call returns only once every rank has joined
+        joins = [_run_concurrently(post_json, a, "/init_weights_update_group", {
+            "master_address": master, "master_port": port, "rank_offset": 1 + i * tp_size,
+            "world_size": world, "group_name": group_name, "backend": backend,
+        }, timeout_s, 1) for i, a in enumerate(addresses)]  # retries=1: not idempotent
+        replies = [j() for j in joins]
+        for a, r in zip(addresses, replies):
+            if not r.get("success", False):
+                raise ServerError(f"{a}/init_weights_update_group failed: {r}")
+
+    join = _run_concurrently(post_all)
+    try:
+        pg = new_weight_update_group(master, port, 0, world, group_name, backend, timeout_s)
+    except Exception:
+        try:  # surface the server's reason if it has one
+            join(timeout=5)
+        except Exception as server_err:
+            raise server_err from None
+        raise
+    join(timeout=timeout_s)
+    _GROUPS[key] = pg
+    logger.info("weight-update group %r: trainer + %d server ranks (%s)", group_name, world - 1, backend)
+    return pg
+
+
+def iter_buckets(named_tensors, bucket_bytes: int):
+    """Group an iterable of ``(name, tensor)`` into lists of at most ``bucket_bytes`` bytes.
+
+    A bucket always holds at least one tensor (a tensor larger than the budget is alone), so
+    ``bucket_bytes=0`` gives one tensor per bucket. The order is kept.
+    """
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _full_tensors(model: torch.nn.Module):
+    """``(name, full tensor)`` per parameter; all-gathers DTensors (collective on every rank)."""
+    for name, p in model.named_parameters():
+        data = p.data
+        if hasattr(data, "full_tensor"):
+            data = data.full_tensor()
+        yield name, data.detach()
+
+
+def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int,
+                      bucket_bytes: int, backend: str | None = None, tp_size: int = 1,
+                      group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0) -> dict:
+    """Push ``model``'s parameters to every server; collective over the default group.
+
+    Every rank gathers the full tensors; rank 0 sends them bucket by bucket: one
+    ``/update_weights_from_distributed`` request per server and bucket (posted from a thread)
+    plus one broadcast per tensor. Servers report ``weight_version=version`` afterwards.
+
+    Args:
+        model: the (FSDP-sharded or plain) model.
+        addresses: servers, in the order used for ``rank_offset``.
+        bucket_bytes: bucket budget [bytes] (``rollout.weight_sync_bucket_mb`` · 2**20).
+        backend: "gloo"/"nccl"; None = NCCL when the parameters are on a GPU, else gloo.
+
+    Returns: ``{"n_buckets", "n_tensors", "bytes", "seconds"}`` (rank 0; zeros elsewhere).
+
+    Raises:
+        ServerError: a server failed to receive or load a bucket (its weights are then a mix of
+            old and new tensors: push again or reload from disk).
+    """
+    from arealite.engine.remote import ServerError, post_json
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    pg = init_group(addresses, backend, tp_size, group_name, timeout_s) if rank == 0 else None
+    stats = {"n_buckets": 0, "n_tensors": 0, "bytes": 0, "seconds": 0.0}
+    with torch.no_grad():
+        for bucket in iter_buckets(_full_tensors(model), bucket_bytes):
+            if rank != 0:
+                continue
+            payload = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": group_name,
+                "flush_cache": True,
+                "weight_version": version,
+            }
+
+            def post_all(payload=payload):  # concurrently: every server must be receiving
+                joins = [_run_concurrently(post_json, a, "/update_weights_from_distributed",
+                                           payload, timeout_s, 1) for a in addresses]
+                return [j() for j in joins]
+
+            join = _run_concurrently(post_all)
+            for _, t in bucket:
+                t = t.contiguous()
+                if backend == "gloo" and t.device.type != "cpu":
+                    t = t.cpu()
+                broadcast_tensor(pg, t)
+            for a, reply in zip(addresses, join(timeout=timeout_s)):
+                if not reply.get("success", False):
+                    raise ServerError(f"{a}/update_weights_from_distributed failed: {reply}")
+            stats["n_buckets"] += 1
+            stats["n_tensors"] += len(bucket)
+            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+    if dist.is_initialized():
+        dist.barrier()
+    stats["seconds"] = time.perf_counter() - start
+    return stats
