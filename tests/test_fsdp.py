@@ -1,4 +1,5 @@
-"""FSDP2 engine: the loss and the update do not depend on how the global batch is split."""
+"""FSDP2 engine: the loss and the update do not depend on how the global batch is split
+(ranks, micro-batches, packed or padded rows), with sequences of very different lengths."""
 
 import json
 import os
@@ -18,22 +19,32 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("fsdp_model")), initializer_range=0.2)
 
 
-def _run(model_dir, tmp_path, nproc, max_tokens):
-    out = tmp_path / f"n{nproc}_t{max_tokens}.json"
+def run_train_steps(model_dir, tmp_path, nproc, kind):
+    """Results of tests/dist/train_step.py under torchrun: {setting: {loss, grad_norm, ...}}."""
+    out = tmp_path / f"{kind}_n{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           SCRIPT, model_dir, str(out), str(max_tokens)]
+           SCRIPT, model_dir, str(out), kind]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.load(open(out))
 
 
-def test_one_vs_two_ranks_and_one_vs_many_microbatches_agree(model_dir, tmp_path):
-    ref = _run(model_dir, tmp_path, nproc=1, max_tokens=10_000)  # 1 rank, 1 micro-batch
-    assert ref["n_microbatches"] == 1
-    for nproc, max_tokens in [(1, 40), (2, 10_000), (2, 40)]:
-        got = _run(model_dir, tmp_path, nproc, max_tokens)
-        if max_tokens == 40:
-            assert got["n_microbatches"] >= 2
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (nproc, max_tokens)
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (nproc, max_tokens)
-        torch.testing.assert_close(torch.tensor(got["param"]), torch.tensor(ref["param"]), rtol=1e-5, atol=1e-6)
+def assert_same_training(got, ref, what):
+    for key in ("loss", "grad_norm"):
+        for g, r in zip(got[key], ref[key]):
+            assert g == pytest.approx(r, rel=1e-5), (what, key)
+    assert got["params"].keys() == ref["params"].keys()
+    for name in ref["params"]:
+        torch.testing.assert_close(torch.tensor(got["params"][name]), torch.tensor(ref["params"][name]),
+                                   rtol=1e-5, atol=1e-6, msg=f"{what}: {name}")
+
+
+def test_one_vs_two_ranks_one_vs_four_microbatches_packed_vs_padded_agree(model_dir, tmp_path):
+    one = run_train_steps(model_dir, tmp_path, 1, "actor")
+    two = run_train_steps(model_dir, tmp_path, 2, "actor")
+    ref = one["10000_True"]  # 1 rank, 1 packed micro-batch
+    assert ref["n_microbatches"] == 1 and one["41_True"]["n_microbatches"] == 4
+    assert two["41_False"]["n_microbatches"] == 2  # per rank
+    for ranks, results in ((1, one), (2, two)):
+        for setting, got in results.items():
+            assert_same_training(got, ref, f"{ranks} ranks, {setting}")

@@ -58,7 +58,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     gradient_clipping: float = 1.0  # max global grad norm (0 disables)
     warmup_steps: int = 0  # linear warmup [optimizer steps]
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"  # decay after warmup
+    min_lr_ratio: float = 0.0  # final LR of the linear/cosine decay, as a fraction of lr
+    max_consecutive_skips: int = 5  # stop after this many non-finite steps in a row (0 = never)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class MicroBatchSpec:
     # token budget per micro-batch [tokens]; activations of a 135M model in float32 take about
     # 2.5 MB per token without gradient checkpointing (8192 tokens OOM-ed a 24 GiB machine)
     max_tokens_per_mb: int = 2048
+    packing: bool = True  # run a micro-batch as one packed row (no padding); False = padded rows
+    logits_chunk_size: int = 1024  # tokens whose fp32 logits exist at once in the LM head [tokens]
 
 
 @dataclass
@@ -80,6 +84,9 @@ class TrainEngineConfig:
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     gradient_checkpointing: bool = False  # recompute activations in backward
     num_threads: int = 0  # torch intra-op threads per trainer rank (0 = cores left by servers)
+    mixed_precision: Literal["none", "bf16"] = "none"  # bf16: bf16 compute, fp32 grad reduce (GPU)
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params/grads/optimizer on CPU
+    attn_implementation: str = "sdpa"  # HF attention: sdpa | eager | flash_attention_2 (GPU)
 
 
 @dataclass

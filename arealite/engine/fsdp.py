@@ -1,15 +1,35 @@
-"""FSDP2 train engine (``torch.distributed.fsdp.fully_shard``): gloo on CPU, NCCL on GPU.
+"""FSDP2 train engines (``torch.distributed.fsdp.fully_shard``): gloo on CPU, NCCL on GPU.
 
-* Model: any HF causal LM folder; each decoder layer (``model._no_split_modules``) and the root
-  are sharded with ``fully_shard``.
+* :class:`FSDPEngine` — the policy (actor) or, with ``trainable=False``, a frozen reference
+  model: any HF causal LM folder. :class:`FSDPCriticEngine` — a value model on the same
+  backbone class (``AutoModelForTokenClassification``, ``num_labels=1``). Both share every code
+  path; a subclass overrides only :meth:`FSDPEngine._load_model` and :meth:`FSDPEngine._head`.
+* Sharding: each decoder layer (``model._no_split_modules``) and the root are sharded with
+  ``fully_shard``; on GPU optionally bf16 compute with fp32 gradient reduction
+  (``MixedPrecisionPolicy``) and CPU offload (``CPUOffloadPolicy``).
 * Micro-batches: rows are split into the same number of micro-batches on every rank (FSDP
-  forward/backward are collectives) so that each holds at most ``mb_spec.max_tokens_per_mb``
-  padded tokens where possible, balanced by token count (longest-first greedy).
+  forward/backward are collectives), enough that each holds at most ``mb_spec.max_tokens_per_mb``
+  real tokens if balanced, balanced by token count (longest-first greedy).
+* Packing (``mb_spec.packing``, default on): a micro-batch runs as ONE row of concatenated
+  sequences with ``position_ids`` restarting at 0 per sequence and no attention mask;
+  transformers then builds a block-diagonal causal mask (sdpa/eager,
+  ``masking_utils.find_packed_sequence_indices``) or varlen ``cu_seqlens`` (flash-attention), so
+  no compute is spent on padding. ``packing=False`` runs the padded [b, T] rows instead. Either
+  way ``loss_fn`` sees the padded [b, T] layout.
 * Loss scaling: ``Σ_mb loss_mb · w_mb / Σ_{all ranks, all mb} w_mb`` — identical to the loss of
   the global batch however it is split (FSDP2 averages gradients over ranks, so the local
   loss is multiplied by the world size before backward).
+* LM head: logprobs and entropy come from the final hidden states in chunks of
+  ``mb_spec.logits_chunk_size`` tokens (:mod:`arealite.engine.lm_head`); fp32 logits of all
+  tokens are never materialised. It runs inside the root module's FSDP forward
+  (``register_fsdp_forward_method``), so tied embeddings keep working.
 * Logprobs: token-aligned, float32, under the generation temperature — the same convention as
   the server (``log_softmax(logits / T)``), see :func:`arealite.algorithms.functional.gather_logprobs`.
+  When the batch has a ``loss_mask``, only tokens with ``loss_mask = 1`` get a logprob (others 0).
+* Optimizer: AdamW (fused on CUDA), no weight decay on biases and norms, gradient clipping
+  with the norm reported, constant/linear/cosine schedules with linear warmup. A non-finite loss
+  or gradient norm skips the update (parameters and optimizer state untouched);
+  ``optimizer.max_consecutive_skips`` skips in a row raise.
 """
 
 from __future__ import annotations
@@ -23,12 +43,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from arealite.algorithms.functional import gather_logprobs
-from arealite.api.config import TrainEngineConfig
+from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
 from arealite.api.io_struct import WeightUpdateMeta
+from arealite.engine.lm_head import chunked_logprobs_entropy
 from arealite.utils.data import trim_padding
 
 logger = logging.getLogger("arealite.fsdp")
@@ -68,6 +88,42 @@ def split_microbatches(lengths: list[int], n_mbs: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def lr_multiplier(oc: OptimizerConfig, step: int, total_steps: int) -> float:
+    """LR factor at optimizer step ``step`` (0-based) of ``total_steps``.
+
+    Warmup: ``(step + 1) / (warmup_steps + 1)`` for ``step < warmup_steps``; then with
+    ``p = (step − warmup) / max(1, total_steps − warmup)`` clipped to [0, 1] and
+    ``m = min_lr_ratio``: constant 1; linear ``1 − (1 − m)·p``; cosine
+    ``m + (1 − m)·(1 + cos(π p))/2`` (SGDR, Loshchilov & Hutter 2017, arXiv 1608.03983, Eq. 5).
+    """
+    if step < oc.warmup_steps:
+        return (step + 1) / (oc.warmup_steps + 1)
+    p = min(1.0, (step - oc.warmup_steps) / max(1, total_steps - oc.warmup_steps))
+    m = oc.min_lr_ratio
+    if oc.lr_scheduler == "linear":
+        return 1.0 - (1.0 - m) * p
+    if oc.lr_scheduler == "cosine":
+        return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p))
+    return 1.0
+
+
+def _check_config(config: TrainEngineConfig) -> None:
+    """Reject bad engine settings before any model is loaded (fields named in the error)."""
+    oc, mb = config.optimizer, config.mb_spec
+    if oc.lr_scheduler not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optimizer.lr_scheduler={oc.lr_scheduler!r}: use constant, linear or cosine")
+    if not 0.0 <= oc.min_lr_ratio <= 1.0:
+        raise ValueError(f"optimizer.min_lr_ratio={oc.min_lr_ratio} must be in [0, 1]")
+    if mb.max_tokens_per_mb < 1:
+        raise ValueError(f"mb_spec.max_tokens_per_mb={mb.max_tokens_per_mb} must be ≥ 1")
+    if mb.logits_chunk_size < 1:
+        raise ValueError(f"mb_spec.logits_chunk_size={mb.logits_chunk_size} must be ≥ 1")
+    if config.mixed_precision not in ("none", "bf16"):
+        raise ValueError(f"mixed_precision={config.mixed_precision!r}: use 'none' or 'bf16'")
+    if config.mixed_precision == "bf16" and not torch.cuda.is_available():
+        raise ValueError("mixed_precision='bf16' needs a GPU; use mixed_precision='none' on CPU")
+
+
 class FSDPEngine(TrainEngine):
     """A causal LM sharded with FSDP2 over all ranks of the default process group.
 
@@ -75,21 +131,36 @@ class FSDPEngine(TrainEngine):
         config: ``actor`` (or ``ref``) config.
         temperature: generation temperature; logits are divided by it (0/1 = no scaling).
         trainable: False builds no optimizer (a frozen reference model).
+
+    Raises:
+        ValueError: a bad config field (named in the message), before any model is loaded.
     """
 
+    # Only tokens with loss_mask = 1 get an output (the actor needs no prompt logprobs); the
+    # critic returns values at every real position.
+    _outputs_on_loss_tokens_only = True
+
     def __init__(self, config: TrainEngineConfig, temperature: float = 1.0, trainable: bool = True):
+        _check_config(config)
         self.config, self.temperature, self.trainable = config, temperature, trainable
         self.model = None
         self.optimizer = None
         self.lr_scheduler = None
         self.tokenizer = None
         self._version = 0
+        self._consecutive_skips = 0
+        self.n_skipped_steps = 0  # total optimizer steps skipped for a non-finite loss/grad norm
 
     # -- setup -----------------------------------------------------------------------------------
-    def initialize(self, model_path: str, total_steps: int = 1) -> None:
-        """Load ``model_path``, shard it, build AdamW and the LR schedule over ``total_steps``."""
+    def _load_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+        """Hook: the unsharded HF model (on CPU). The actor loads ``AutoModelForCausalLM``."""
         from transformers import AutoModelForCausalLM
 
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                    attn_implementation=self.config.attn_implementation)
+
+    def initialize(self, model_path: str, total_steps: int = 1) -> None:
+        """Load ``model_path``, shard it, build AdamW and the LR schedule over ``total_steps``."""
         from arealite.utils.hf import load_tokenizer
 
         init_distributed()
@@ -97,19 +168,29 @@ class FSDPEngine(TrainEngine):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)
-        dtype = getattr(torch, self.config.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        model = self._load_model(model_path, getattr(torch, self.config.dtype))
         if self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        model.to(self.device)
+        if not self.config.cpu_offload:
+            model.to(self.device)
+        kw = {}
+        if self.config.mixed_precision == "bf16":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.config.cpu_offload:
+            kw["offload_policy"] = CPUOffloadPolicy()
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         for module in model.modules():
             if type(module).__name__ in layer_classes:
-                fully_shard(module)
-        fully_shard(model)
+                fully_shard(module, **kw)
+        fully_shard(model, **kw)
+        # Backbone + head as one FSDP forward of the root: root parameters (embeddings, final
+        # norm, LM/value head) are unsharded while it runs.
+        model.arealite_forward = self._root_forward
+        register_fsdp_forward_method(model, "arealite_forward")
         self.model = model
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
+        self.total_steps = total_steps
         if not self.trainable:
             model.eval()
             model.requires_grad_(False)
@@ -118,20 +199,13 @@ class FSDPEngine(TrainEngine):
         decay, no_decay = [], []
         for name, p in model.named_parameters():
             (no_decay if p.dim() < 2 or "norm" in name.lower() else decay).append(p)
+        fused = torch.cuda.is_available() and not self.config.cpu_offload
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": oc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps,
+            lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, **({"fused": True} if fused else {}),
         )
-
-        def lr_lambda(step: int) -> float:
-            if step < oc.warmup_steps:
-                return (step + 1) / (oc.warmup_steps + 1)
-            if oc.lr_scheduler == "cosine":
-                progress = (step - oc.warmup_steps) / max(1, total_steps - oc.warmup_steps)
-                return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-            return 1.0
-
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_multiplier(oc, step, total_steps))
 
     # -- micro-batching --------------------------------------------------------------------------
     def _microbatches(self, batch: Batch) -> list[tuple[Batch, bool]]:
@@ -154,20 +228,58 @@ class FSDPEngine(TrainEngine):
             out.append((trim_padding(mb), dummy))
         return out
 
-    def _logprobs(self, mb: Batch) -> torch.Tensor:
-        """Token-aligned logprobs [b, T] of one micro-batch. With a ``loss_mask``, the LM head
-        only runs from the position before the earliest loss token on (prompt positions
-        need no logits), which saves a large share of the compute for long prompts."""
-        mask = mb["attention_mask"].long()
-        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-        T = mask.shape[1]
-        keep = T
-        if "loss_mask" in mb and mb["loss_mask"].any():
-            first = int(mb["loss_mask"].bool().float().argmax(1)[mb["loss_mask"].any(1)].min())
-            keep = T - max(first - 1, 0)
-        logits = self.model(input_ids=mb["input_ids"], attention_mask=mask, position_ids=position_ids,
-                            use_cache=False, logits_to_keep=keep).logits
-        return gather_logprobs(logits, mb["input_ids"], self.temperature) * mask
+    # -- forward ---------------------------------------------------------------------------------
+    def _head(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hook, run inside the root FSDP forward: per-position outputs from final hidden states.
+
+        Args: hidden [n, H] at the selected positions; labels [n] int64, the next token of each.
+        Returns: (logprobs [n] float32, entropy [n] float32 detached).
+        """
+        head = self.model.get_output_embeddings()
+        return chunked_logprobs_entropy(hidden, head.weight, labels, self.temperature,
+                                        self.config.mb_spec.logits_chunk_size, bias=head.bias)
+
+    def _root_forward(self, input_ids, position_ids, valid, src, labels):
+        """Backbone → :meth:`_head` at flat positions ``src`` (registered as an FSDP forward).
+
+        ``input_ids``/``position_ids``: [1, N] packed or [b, T] padded; ``valid`` [b, T] bool
+        for the padded layout (None when packed); ``src`` [n] indices into the N real tokens.
+        """
+        attention_mask = None if valid is None else valid.long()  # None + packed position_ids → block mask
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = hidden[0] if valid is None else hidden[valid]  # [N, H]
+        return self._head(hidden[src], labels)
+
+    def _forward_mb(self, mb: Batch) -> torch.Tensor:
+        """Token-aligned outputs [b, T] float32 of one micro-batch (logprobs for the actor,
+        values for the critic): ``out[:, t]`` comes from the hidden state at position t-1; 0 at
+        index 0 and on padding. Sets ``mb["entropy"]`` [b, T] (detached) when the head gives one."""
+        valid = mb["attention_mask"].bool()  # [b, T]
+        b, T = valid.shape
+        ids = mb["input_ids"][valid]  # [N] real tokens, row after row
+        pos = (valid.long().cumsum(1) - 1)[valid]  # [N] restarts at 0 per row
+        N = ids.shape[0]
+        has_next = torch.ones(N, dtype=torch.bool, device=ids.device)
+        has_next[valid.sum(1).cumsum(0)[valid.any(1)] - 1] = False  # last token of each row
+        need = has_next.clone()
+        if self._outputs_on_loss_tokens_only and "loss_mask" in mb:
+            need[:-1] &= mb["loss_mask"][valid][1:] > 0
+        src = need.nonzero().squeeze(-1)  # [n] positions whose next token gets an output
+        labels = ids[src + 1]
+        if self.config.mb_spec.packing:
+            out, extra = self.model.arealite_forward(ids[None], pos[None], None, src, labels)
+        else:
+            out, extra = self.model.arealite_forward(mb["input_ids"], (valid.long().cumsum(1) - 1).clamp(min=0),
+                                                     valid, src, labels)
+
+        def to_padded(x):  # [n] at flat positions src + 1 → [b, T]
+            flat = x.new_zeros(N).index_copy(0, src + 1, x)
+            return x.new_zeros(b, T).masked_scatter(valid, flat)
+
+        if extra is not None:
+            mb["entropy"] = to_padded(extra.detach())
+        return to_padded(out.float())
 
     # -- training --------------------------------------------------------------------------------
     def train_batch(
@@ -176,13 +288,17 @@ class FSDPEngine(TrainEngine):
         loss_fn: Callable[[torch.Tensor, Batch], torch.Tensor],
         loss_weight_fn: Callable[[Batch], float],
     ) -> dict[str, float]:
-        """See :meth:`TrainEngine.train_batch`. A non-finite gradient norm skips the update
-        (parameters untouched) and reports ``skipped = 1``.
+        """See :meth:`TrainEngine.train_batch`. ``loss_fn(out, mb)`` gets the token-aligned
+        logprobs (critic: values) [b, T] float32 and the micro-batch, which also holds
+        ``mb["entropy"]`` [b, T] (actor, detached). A non-finite loss or gradient norm skips the
+        update (parameters untouched) and reports ``skipped = 1``.
 
         Raises:
             ValueError: the global loss weight is 0 (no loss tokens in the whole batch).
+            RuntimeError: ``optimizer.max_consecutive_skips`` non-finite steps in a row.
         """
-        assert self.optimizer is not None, "train_batch on a frozen engine (trainable=False)"
+        if self.optimizer is None:
+            raise RuntimeError("train_batch on a frozen engine (built with trainable=False)")
         self.model.train()
         mbs = self._microbatches(batch)
         weights = [0.0 if dummy else float(loss_weight_fn(mb)) for mb, dummy in mbs]
@@ -192,37 +308,52 @@ class FSDPEngine(TrainEngine):
             raise ValueError("train_batch: the global loss weight is 0 (no tokens with loss_mask=1)")
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        n_tokens = 0
         for (mb, dummy), w in zip(mbs, weights):
-            loss = loss_fn(self._logprobs(mb), mb)
+            loss = loss_fn(self._forward_mb(mb), mb)
             scale = w / float(total)
             # dummy micro-batches still run forward/backward (collectives) but contribute 0.
             (loss * (scale * self.world_size if not dummy else 0.0)).backward()
-            loss_sum += loss.detach().double() * scale
+            loss_sum += loss.detach().double() * (scale if not dummy else 0.0)
+            n_tokens += 0 if dummy else int(mb["attention_mask"].sum())
         dist.all_reduce(loss_sum)
         clip = self.config.optimizer.gradient_clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        skipped = not math.isfinite(grad_norm)
+        loss_value = float(loss_sum)
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
         if skipped:
-            logger.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm)
+            self._consecutive_skips += 1
+            self.n_skipped_steps += 1
+            logger.warning("non-finite loss %s / grad norm %s: skipping this optimizer step (%d in a row)",
+                           loss_value, grad_norm, self._consecutive_skips)
             self.optimizer.zero_grad(set_to_none=True)
+            limit = self.config.optimizer.max_consecutive_skips
+            if 0 < limit <= self._consecutive_skips:
+                raise RuntimeError(
+                    f"{self._consecutive_skips} optimizer steps in a row had a non-finite loss or gradient "
+                    f"norm (optimizer.max_consecutive_skips={limit}); lower optimizer.lr, check the data "
+                    "and rewards, or raise optimizer.max_consecutive_skips (0 = never stop)")
         else:
+            self._consecutive_skips = 0
             self.optimizer.step()
         lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
-        return {"loss": float(loss_sum), "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
-                "n_microbatches": float(len(mbs))}
+        return {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
+                "skipped_total": float(self.n_skipped_steps), "n_microbatches": float(len(mbs)),
+                "n_tokens": float(n_tokens)}
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Token-aligned logprobs [B, T] float32 (CPU) of ``batch["input_ids"]`` (no grad)."""
+        """Token-aligned logprobs [B, T] float32 (CPU) of ``batch["input_ids"]`` (no grad);
+        0 at index 0, on padding and (when the batch has a ``loss_mask``) where it is 0."""
         self.model.eval()
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         lengths = batch["attention_mask"].sum(1).tolist()
         mbs = self._microbatches(batch)
         groups = split_microbatches(lengths, len(mbs))
         for (mb, dummy), rows in zip(mbs, groups):
-            lp = self._logprobs(mb).float().cpu()
+            lp = self._forward_mb(mb).float().cpu()
             if not dummy:
                 out[torch.tensor(rows), : lp.shape[1]] = lp
         return out
@@ -256,3 +387,66 @@ class FSDPEngine(TrainEngine):
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class FSDPCriticEngine(FSDPEngine):
+    """A value model (PPO critic) on the backbone of a causal LM folder, sharing
+    :class:`FSDPEngine`'s sharding, micro-batching, packing, loss scaling and optimizer.
+
+    The folder is loaded as ``AutoModelForTokenClassification(num_labels=1)``: the backbone
+    weights come from the checkpoint; the new ``score`` head [1, H] (+ bias) is initialised to
+    zero, so every initial value is 0. Values are token-aligned like logprobs:
+    ``values[:, t] = score(h_{t-1})`` is V of the state *before* token t is generated (the input
+    ``input_ids[:, :t]``); index 0 and padding are 0. No dropout is applied to the head.
+
+    ``forward(batch)`` → values [B, T] float32 (no grad); ``train_batch(batch, loss_fn,
+    loss_weight_fn)`` calls ``loss_fn(values [b, T] float32 with grad, mb)``; ``save(path)``
+    writes an HF folder that ``AutoModelForTokenClassification.from_pretrained`` loads.
+    """
+
+    _outputs_on_loss_tokens_only = False
+
+    def __init__(self, config: TrainEngineConfig):
+        super().__init__(config, temperature=1.0, trainable=True)
+
+    def _load_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+        """``AutoModelForTokenClassification`` with one label and a zero ``score`` head.
+
+        Raises:
+            ValueError: transformers has no token-classification class for the architecture.
+        """
+        from transformers import AutoConfig, AutoModelForTokenClassification
+        from transformers.utils import logging as hf_logging
+
+        hf_config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        hf_config.classifier_dropout = 0.0  # saved with the critic: no dropout in train mode either
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the load report would list the new score head as MISSING
+        try:
+            model = AutoModelForTokenClassification.from_pretrained(
+                model_path, config=hf_config, dtype=dtype, attn_implementation=self.config.attn_implementation)
+        except ValueError as e:
+            raise ValueError(
+                f"critic: transformers has no AutoModelForTokenClassification for model_type "
+                f"{hf_config.model_type!r} ({model_path}); use a Llama/Qwen2-family model for the critic") from e
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        score = getattr(model, "score", None)
+        if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
+            raise ValueError(f"critic: {type(model).__name__} has no 1-output `score` head; "
+                             "use a Llama/Qwen2-family model for the critic")
+        with torch.no_grad():
+            score.weight.zero_()
+            if score.bias is not None:
+                score.bias.zero_()
+        return model
+
+    def _head(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Values [n] float32 = score(hidden) (labels unused)."""
+        return self.model.score(hidden).sum(-1, dtype=torch.float32), None  # [n]; sum, not a view
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Token-aligned values [B, T] float32 (CPU), no grad: ``values[:, t] = V(input_ids[:, :t])``;
+        0 at index 0 and on padding."""
+        return super().forward(batch)

@@ -1,16 +1,24 @@
-"""Run by tests/test_fsdp.py under torchrun: one train_batch on a fixed global batch.
+"""Run by tests/test_fsdp.py and tests/test_critic.py under torchrun: train steps on a fixed
+global batch for several engine settings, in one process group.
 
-Each rank takes its contiguous share of the global batch; rank 0 writes loss and grad norm
-(and the first parameter values after the step) as JSON to argv[2]."""
+argv: model_dir out_path kind, with kind "actor" (one step of FSDPEngine per setting) or
+"critic" (two MSE steps of FSDPCriticEngine per setting: with a zero-initialised head the first
+step only moves the head). Each rank takes its contiguous share of the global batch; rank 0
+writes, per setting, the losses, grad norms, micro-batch counts and the first values of a few
+parameters after the steps as JSON to out_path."""
 
 import json
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.engine.fsdp import FSDPCriticEngine, FSDPEngine, init_distributed
+
+# (max_tokens_per_mb, packing): 162 real tokens → 1 micro-batch at 10_000, 4 at 41 (1 rank)
+SETTINGS = [(10_000, True), (41, True), (10_000, False), (41, False)]
 
 
 def global_batch():
@@ -24,32 +32,48 @@ def global_batch():
         am[i, :n] = True
         lm[i, 3:n] = 1
     adv = (torch.rand(B, 1, generator=g) + 0.5).expand(B, T) * lm  # positive: no cancellation in the loss
-    return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm, "advantages": adv.contiguous()}
+    returns = torch.randn(B, T, generator=g) * lm
+    return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm, "advantages": adv.contiguous(),
+            "returns": returns}
 
 
-def loss_fn(logprobs, mb):
+def actor_loss_fn(logprobs, mb):
     mask = mb["loss_mask"].float()
+    assert mb["entropy"].shape == logprobs.shape and not mb["entropy"].requires_grad
     return -(logprobs * mb["advantages"] * mask).sum() / mask.sum()
 
 
+def critic_loss_fn(values, mb):
+    mask = mb["loss_mask"].float()
+    return (((values - mb["returns"]) ** 2) * mask).sum() / mask.sum()
+
+
 def main():
-    model_dir, out_path, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model_dir, out_path, kind = sys.argv[1], sys.argv[2], sys.argv[3]
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1e9),
-                            mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens))
-    engine = FSDPEngine(cfg, temperature=0.7)
-    engine.initialize(model_dir)
     batch = global_batch()
     share = batch["input_ids"].shape[0] // world
     local = {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
-    stats = engine.train_batch(local, loss_fn, lambda mb: float(mb["loss_mask"].sum()))
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    results = {}
+    for max_tokens, packing in SETTINGS:
+        cfg = TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1e9),
+                                mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens, packing=packing))
+        if kind == "actor":
+            engine, loss_fn, n_steps = FSDPEngine(cfg, temperature=0.7), actor_loss_fn, 1
+        else:
+            engine, loss_fn, n_steps = FSDPCriticEngine(cfg), critic_loss_fn, 2
+        engine.initialize(model_dir)
+        steps = [engine.train_batch(local, loss_fn, lambda mb: float(mb["loss_mask"].sum())) for _ in range(n_steps)]
+        state = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = [n for n in sorted(state) if "layers.1." in n][:2] + [n for n in sorted(state) if "score" in n]
+        results[f"{max_tokens}_{packing}"] = {
+            "loss": [s["loss"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
+            "n_microbatches": steps[0]["n_microbatches"],
+            "params": {n: state[n].flatten()[:64].tolist() for n in names}}
     if rank == 0:
-        name = sorted(state)[3]
-        json.dump({**stats, "param_name": name, "param": state[name].flatten()[:64].tolist()}, open(out_path, "w"))
-    engine.destroy()
+        json.dump(results, open(out_path, "w"))
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""Chunked LM head: token logprobs and entropy from final hidden states without ever holding
+the fp32 logits of all tokens at once.
+
+``logits = hidden @ weight.T (+ bias)`` has shape [N, V]; for N = 16k tokens and V = 150k that
+is 9.6 GB in float32 — more than the rest of a 0.5B model's training state. Here the logits are
+built ``chunk_size`` rows at a time, reduced to a logprob and an entropy per row, and freed; the
+backward recomputes each chunk's logits (one extra [c, H] × [H, V] matmul per chunk) and
+accumulates the gradients of ``hidden`` and ``weight``. The largest float buffer of the head is
+[chunk_size, V] in forward and in backward.
+
+Formulas (z = logits / T, p = softmax(z), T = temperature, 0 and 1 meaning no scaling — the
+server's sampling convention, see :func:`arealite.algorithms.functional.gather_logprobs`):
+
+* ``logprob_i = z_{i,y_i} − logsumexp_j z_{i,j}``
+* ``entropy_i = logsumexp_j z_{i,j} − Σ_j p_{i,j} z_{i,j}`` (= −Σ p log p)
+* ``∂ logprob_i / ∂ logits_{i,j} = (1[j = y_i] − p_{i,j}) / T`` (softmax cross-entropy gradient)
+
+The entropy is returned detached (for logging): no gradient flows through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _scale(temperature: float) -> float:
+    return 1.0 if temperature in (0.0, 1.0) else float(temperature)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: float) -> torch.Tensor:
+    """[c, V] float32 logits / T of one chunk (matmul in the model dtype, like the HF head)."""
+    logits = torch.nn.functional.linear(h, weight, bias).float()  # [c, V]
+    if t != 1.0:
+        logits.div_(t)
+    return logits
+
+
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size):
+        t = _scale(temperature)
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
+            lse = z.logsumexp(-1)  # [c]
+            logprobs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
+            lse_all[s:e] = lse
+            zp = torch.exp(z - lse[:, None]).mul_(z)  # p·z, [c, V]
+            entropy[s:e] = lse - zp.sum(-1)
+            del z, zp
+        ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
+        ctx.temperature, ctx.chunk_size = t, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, lse_all = ctx.saved_tensors
+        t, chunk_size = ctx.temperature, ctx.chunk_size
+        n = hidden.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        g_lp = grad_logprobs.float()
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
+            # g_logits = g_lp · (onehot(y) − p) / T, built in place in z's buffer
+            g = z.sub_(lse_all[s:e, None]).exp_().mul_(-g_lp[s:e, None])  # −g·p
+            g.scatter_add_(-1, labels[s:e, None], g_lp[s:e, None])
+            if t != 1.0:
+                g.div_(t)
+            if need_h:
+                grad_h[s:e] = (g.to(hidden.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(g.t(), hidden[s:e].float())
+            if need_b:
+                grad_b += g.sum(0)
+            del z, g
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def chunked_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``labels`` and entropy under ``softmax((hidden @ weight.T + bias) / T)``.
+
+    Args:
+        hidden: [N, H] final hidden states (after the final norm), any float dtype.
+        weight: [V, H] LM-head (output embedding) weight, same dtype as ``hidden``.
+        labels: [N] int64 token ids predicted by each row (the *next* token).
+        temperature: sampling temperature; 0 or 1 = no scaling.
+        chunk_size: rows of logits materialised at once [tokens]; peak extra memory is about
+            ``2 · chunk_size · V · 4`` bytes.
+        bias: optional [V] LM-head bias.
+
+    Returns:
+        (logprobs [N] float32 with gradient w.r.t. ``hidden``/``weight``/``bias``,
+        entropy [N] float32, detached).
+
+    Raises:
+        ValueError: ``chunk_size < 1`` or mismatched shapes.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"mb_spec.logits_chunk_size must be ≥ 1, got {chunk_size}")
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"chunked_logprobs_entropy: shapes hidden {tuple(hidden.shape)}, weight "
+                         f"{tuple(weight.shape)}, labels {tuple(labels.shape)} do not fit [N,H], [V,H], [N]")
+    return _ChunkedLogprobEntropy.apply(hidden, weight, bias, labels.long(), temperature, int(chunk_size))
