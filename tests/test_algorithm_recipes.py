@@ -34,8 +34,8 @@ def test_gspo_recipe_three_steps(tiny_model_dir, tmp_path):
     assert [s["step"] for s in steps] == [0, 1, 2]
     for s in steps:
         assert s["rollout/staleness_max"] <= 1 and s["actor/n_microbatches"] >= 1
-        # two minibatches (yaml default is not used here: dataclass default n_minibatches=1) →
-        # on-policy single minibatch: the sequence ratio is exactly 1, nothing is clipped
+        # one minibatch (the dataclass default): π_prox is the training forward itself, so the
+        # sequence ratio is exactly 1 and nothing is clipped, even with GSPO's tiny clip range
         assert s["actor/clip_frac"] == 0.0 and s["actor/approx_kl"] == 0.0
     assert (tmp_path / "gspo_math" / "trial0" / "final" / "config.json").exists()
 
