@@ -12,7 +12,7 @@ Formulas (z = logits / T, p = softmax(z), T = temperature, 0 and 1 meaning no sc
 server's sampling convention, see :func:`arealite.algorithms.functional.gather_logprobs`):
 
 * ``logprob_i = z_{i,y_i} − logsumexp_j z_{i,j}``
-* ``entropy_i = logsumexp_j z_{i,j} − Σ_j p_{i,j} z_{i,j}`` (= −Σ p log p)
+* ``entropy_i = −Σ_j p_{i,j} log p_{i,j}``
 * ``∂ logprob_i / ∂ logits_{i,j} = (1[j = y_i] − p_{i,j}) / T`` (softmax cross-entropy gradient)
 
 The entropy is returned detached (for logging): no gradient flows through it.
@@ -49,9 +49,10 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             lse = z.logsumexp(-1)  # [c]
             logprobs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
             lse_all[s:e] = lse
-            zp = torch.exp(z - lse[:, None]).mul_(z)  # p·z, [c, V]
-            entropy[s:e] = lse - zp.sum(-1)
-            del z, zp
+            logp = z.sub_(lse[:, None])  # log p, in z's buffer [c, V]
+            # −Σ p log p (not lse − Σ p z, which cancels catastrophically at low entropy)
+            entropy[s:e] = -torch.exp(logp).mul_(logp).sum(-1)
+            del z, logp
         ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
         ctx.temperature, ctx.chunk_size = t, chunk_size
         ctx.mark_non_differentiable(entropy)
