@@ -291,6 +291,7 @@ class DPOConfig:
     # online: the rollout pipeline samples gconfig.n_samples answers per prompt, the math reward
     # picks a correct/incorrect pair (consumer_batch_size pairs per step, staleness-bounded)
     mode: Literal["offline", "online"] = "online"
+    reward_fn: str = "arealite.reward.math:math_reward"  # online: "module:function" (completion, answer) -> float
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)  # online sampling + evaluation
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)  # online only
     actor: TrainEngineConfig = field(default_factory=TrainEngineConfig)  # the reference model is a frozen copy
