@@ -48,3 +48,98 @@ def test_one_vs_two_ranks_one_vs_four_microbatches_packed_vs_padded_agree(model_
     for ranks, results in ((1, one), (2, two)):
         for setting, got in results.items():
             assert_same_training(got, ref, f"{ranks} ranks, {setting}")
+
+
+def test_lr_schedules_hand_computed():
+    from arealite.api.config import OptimizerConfig
+    from arealite.engine.fsdp import lr_multiplier
+
+    def lrs(**kw):
+        oc = OptimizerConfig(warmup_steps=2, min_lr_ratio=0.1, **kw)
+        return [lr_multiplier(oc, s, total_steps=6) for s in range(7)]
+
+    # warmup (s+1)/3 for s < 2; then p = (s-2)/4
+    assert lrs(lr_scheduler="constant") == pytest.approx([1 / 3, 2 / 3, 1, 1, 1, 1, 1])
+    assert lrs(lr_scheduler="linear") == pytest.approx([1 / 3, 2 / 3, 1.0, 0.775, 0.55, 0.325, 0.1])
+    c = 0.1 + 0.9 * 0.5 * (1 + 0.5 ** 0.5)  # cos(π/4) = √½
+    assert lrs(lr_scheduler="cosine") == pytest.approx([1 / 3, 2 / 3, 1.0, c, 0.55, 1.0 - c + 0.1, 0.1])
+
+
+def test_bad_engine_config_names_the_field():
+    from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+    from arealite.engine.fsdp import FSDPEngine
+
+    with pytest.raises(ValueError, match="optimizer.lr_scheduler"):
+        FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr_scheduler="step")))
+    with pytest.raises(ValueError, match="mb_spec.logits_chunk_size"):
+        FSDPEngine(TrainEngineConfig(mb_spec=MicroBatchSpec(logits_chunk_size=0)))
+    with pytest.raises(ValueError, match="optimizer.min_lr_ratio"):
+        FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(min_lr_ratio=2.0)))
+
+
+def _batch(lengths=(9, 4, 6), T=9):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (len(lengths), T), generator=g)
+    am = torch.zeros(len(lengths), T, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        am[i, :n] = True
+    lm = am.int()
+    lm[:, :2] = 0
+    return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm}
+
+
+def _token_mean_nll(logprobs, mb):
+    return -(logprobs * mb["loss_mask"]).sum() / mb["loss_mask"].sum()
+
+
+def _n_tokens(mb):
+    return float(mb["loss_mask"].sum())
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir):
+    from arealite.api.config import OptimizerConfig, TrainEngineConfig
+    from arealite.engine.fsdp import FSDPEngine
+
+    engine = FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-2, max_consecutive_skips=3)))
+    engine.initialize(tiny_model_dir)
+    before = {n: p.detach().full_tensor().clone() for n, p in engine.model.named_parameters()}
+    nan_loss = lambda lp, mb: _token_mean_nll(lp, mb) * float("nan")  # noqa: E731
+    for i in range(2):
+        stats = engine.train_batch(_batch(), nan_loss, _n_tokens)
+        assert stats["skipped"] == 1.0 and stats["skipped_total"] == i + 1
+    for n, p in engine.model.named_parameters():  # untouched
+        assert torch.equal(p.detach().full_tensor(), before[n]), n
+    assert engine.train_batch(_batch(), _token_mean_nll, _n_tokens)["skipped"] == 0.0  # resets the streak
+    assert any(not torch.equal(p.detach().full_tensor(), before[n]) for n, p in engine.model.named_parameters())
+    assert engine.lr_scheduler.last_epoch == 1  # skipped steps do not advance the LR schedule
+    for _ in range(2):
+        engine.train_batch(_batch(), nan_loss, _n_tokens)
+    with pytest.raises(RuntimeError, match="optimizer.max_consecutive_skips=3"):
+        engine.train_batch(_batch(), nan_loss, _n_tokens)
+    assert engine.n_skipped_steps == 5
+
+
+def test_saved_hf_checkpoint_generates_the_engines_greedy_tokens(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from arealite.api.config import OptimizerConfig, TrainEngineConfig
+    from arealite.engine.fsdp import FSDPEngine
+
+    engine = FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-2)))
+    engine.initialize(tiny_model_dir)
+    for _ in range(2):  # move the weights away from the initial folder
+        engine.train_batch(_batch(), _token_mean_nll, _n_tokens)
+    engine.save(str(tmp_path / "hf"))
+    prompt = torch.tensor([[1, 17, 305, 42, 9]])
+    ids = prompt
+    engine.model.eval()
+    with torch.no_grad():
+        for _ in range(12):  # the engine's own greedy decoding: argmax of its forward's logits
+            ids = torch.cat([ids, engine.model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(hf.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # the trained weights
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12,
+                      min_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert out.tolist() == ids.tolist()

@@ -291,7 +291,7 @@ class FSDPEngine(TrainEngine):
         """See :meth:`TrainEngine.train_batch`. ``loss_fn(out, mb)`` gets the token-aligned
         logprobs (critic: values) [b, T] float32 and the micro-batch, which also holds
         ``mb["entropy"]`` [b, T] (actor, detached). A non-finite loss or gradient norm skips the
-        update (parameters untouched) and reports ``skipped = 1``.
+        update (parameters, optimizer state and LR schedule untouched) and reports ``skipped = 1``.
 
         Raises:
             ValueError: the global loss weight is 0 (no loss tokens in the whole batch).
@@ -334,11 +334,11 @@ class FSDPEngine(TrainEngine):
                     f"{self._consecutive_skips} optimizer steps in a row had a non-finite loss or gradient "
                     f"norm (optimizer.max_consecutive_skips={limit}); lower optimizer.lr, check the data "
                     "and rewards, or raise optimizer.max_consecutive_skips (0 = never stop)")
-        else:
+        lr = self.lr_scheduler.get_last_lr()[0]
+        if not skipped:  # a skipped step does not advance the schedule (as in Megatron-LM)
             self._consecutive_skips = 0
             self.optimizer.step()
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
+            self.lr_scheduler.step()
         return {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
                 "skipped_total": float(self.n_skipped_steps), "n_microbatches": float(len(mbs)),
                 "n_tokens": float(n_tokens)}
