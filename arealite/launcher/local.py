@@ -1,8 +1,18 @@
-"""Local launcher: start our generation servers as subprocesses of trainer rank 0.
+"""Local launcher: start generation servers as subprocesses of trainer rank 0.
 
-Used when ``rollout.addresses`` is empty. Rank 0 starts ``rollout.n_servers`` processes of
-``python -m arealite.engine.server`` on free loopback ports, waits for ``/health`` and
-broadcasts the addresses to the other ranks; the servers are killed when rank 0 exits.
+Used when ``rollout.addresses`` is empty. Rank 0 starts ``rollout.n_servers`` server processes
+on free loopback ports, waits for ``/health`` and broadcasts the addresses to the other ranks;
+the servers are killed when rank 0 exits. The command depends on ``rollout.backend``
+(:func:`server_command`):
+
+* ``local``: ``python -m arealite.engine.server`` (our transformers server, CPU or GPU);
+* ``sglang``: ``python -m sglang.launch_server --model-path … --skip-tokenizer-init …``;
+* ``vllm``: ``vllm serve … --logprobs-mode processed_logprobs`` (tempered logprobs, like the
+  trainer's; ``inference-protocols.md`` §2.2).
+
+GPU assignment (sglang/vllm): trainer rank r uses visible GPU r, so server i gets the
+``rollout.tp_size`` GPUs after the trainer's, through its own ``CUDA_VISIBLE_DEVICES``
+(:func:`gpu_assignment`). Extra flags go in ``rollout.server_args``.
 
 CPU threads are split so that servers and trainer ranks never oversubscribe the cores:
 each server gets ``rollout.server_threads``; the trainer ranks share the rest
@@ -12,6 +22,7 @@ each server gets ``rollout.server_threads``; the trainer ranks share the rest
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import socket
 import subprocess
@@ -35,26 +46,101 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1) -> list[str]:
+_PACKAGES = {"sglang": "sglang", "vllm": "vllm"}
+
+
+def check_backend_installed(backend: str) -> None:
+    """Raise a clear error when ``rollout.backend`` needs a package that is not installed."""
+    package = _PACKAGES.get(backend)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f"rollout.backend={backend}: the {package!r} package is not installed here; install it "
+            f"(pip install {package}), or start the servers yourself and pass rollout.addresses, "
+            "or use rollout.backend=local")
+
+
+def server_command(config: InferenceEngineConfig, model_path: str, port: int, seed: int) -> list[str]:
+    """The argv of one server for ``config.backend`` on ``127.0.0.1:port``.
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    host = ["--host", "127.0.0.1", "--port", str(port)]
+    if config.backend == "local":
+        return [sys.executable, "-m", "arealite.engine.server", "--model-path", model_path, *host,
+                "--num-threads", str(config.server_threads),
+                "--max-batch-size", str(config.server_max_batch_size), "--seed", str(seed),
+                "--parent-pid", str(os.getpid()),  # no orphan server if the trainer is SIGKILLed
+                *config.server_args]
+    if config.backend == "sglang":
+        # Token ids in and out (no detokenizer), as AReaL runs it; per-server seed.
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, *host,
+                "--tp-size", str(config.tp_size), "--random-seed", str(seed), "--skip-tokenizer-init",
+                "--max-running-requests", str(config.server_max_batch_size), *config.server_args]
+    if config.backend == "vllm":
+        # processed_logprobs: logprobs after temperature, like the trainer's (vLLM's default is raw).
+        return ["vllm", "serve", model_path, *host, "--tensor-parallel-size", str(config.tp_size),
+                "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
+                "--max-num-seqs", str(config.server_max_batch_size), *config.server_args]
+    raise ValueError(f"rollout.backend={config.backend!r}: use local, sglang or vllm")
+
+
+def gpu_assignment(n_servers: int, tp_size: int, trainer_gpus: int, visible: list[str]) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each server: the ``tp_size`` GPUs after the trainer's.
+
+    Args:
+        trainer_gpus: GPUs used by the trainer ranks (the first ones of ``visible``).
+        visible: the GPU ids this process may use (``CUDA_VISIBLE_DEVICES`` or all).
+
+    Raises:
+        ValueError: fewer than ``trainer_gpus + n_servers × tp_size`` GPUs (names the fields).
+    """
+    need = trainer_gpus + n_servers * tp_size
+    if len(visible) < need:
+        raise ValueError(
+            f"rollout.n_servers={n_servers} × rollout.tp_size={tp_size} GPUs plus {trainer_gpus} trainer "
+            f"GPUs = {need}, but only {len(visible)} are visible ({','.join(visible) or 'none'}); lower "
+            "rollout.n_servers/tp_size or the trainer's nproc_per_node, or pass rollout.addresses")
+    return [",".join(visible[trainer_gpus + i * tp_size: trainer_gpus + (i + 1) * tp_size])
+            for i in range(n_servers)]
+
+
+def _visible_gpus() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1,
+                   trainer_gpus: int = 0) -> list[str]:
     """Start ``config.n_servers`` servers on this machine and wait until they are healthy.
 
     Server logs go to ``log_dir/server{i}.log``. Returns their ``127.0.0.1:port`` addresses.
 
+    Args:
+        trainer_gpus: GPUs taken by the trainer ranks (sglang/vllm servers get the next ones).
+
     Raises:
+        ValueError: the backend's package is missing or there are too few GPUs (before
+            anything is started).
         TimeoutError: a server did not become healthy within ``rollout.setup_timeout``
             (the processes are killed; see the server log).
     """
+    check_backend_installed(config.backend)
+    gpus = None
+    if config.backend != "local":
+        gpus = gpu_assignment(config.n_servers, config.tp_size, trainer_gpus, _visible_gpus())
     os.makedirs(log_dir, exist_ok=True)
     procs, addresses = [], []
     for i in range(config.n_servers):
         port = _free_port()
-        cmd = [
-            sys.executable, "-m", "arealite.engine.server", "--model-path", model_path,
-            "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(config.server_threads),
-            "--max-batch-size", str(config.server_max_batch_size), "--seed", str(seed + i),
-            "--parent-pid", str(os.getpid()),  # no orphan server if the trainer is SIGKILLed
-        ]
+        cmd = server_command(config, model_path, port, seed + i)
         env = dict(os.environ, OMP_NUM_THREADS=str(config.server_threads))
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)  # the server is not part of the trainer's process group
         log = open(os.path.join(log_dir, f"server{i}.log"), "a")
@@ -87,7 +173,10 @@ def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_di
     """
     addresses = list(config.addresses)
     if not addresses:
-        obj = [launch_servers(config, model_path, log_dir, seed) if dist.get_rank() == 0 else None]
+        import torch
+
+        trainer_gpus = dist.get_world_size() if torch.cuda.is_available() else 0
+        obj = [launch_servers(config, model_path, log_dir, seed, trainer_gpus) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(obj, src=0)
         addresses = obj[0]
     engine = RemoteInferenceEngine(config, addresses, world_size=dist.get_world_size())

@@ -1,0 +1,135 @@
+"""rollout.backend = local | sglang | vllm: launch commands, GPU assignment and the request /
+response adapters, with recorded payload shapes (SGLang and vLLM are not installed here)."""
+
+import asyncio
+import importlib.util
+import sys
+
+import pytest
+
+from arealite.api.config import GenerationConfig, InferenceEngineConfig
+from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
+from arealite.engine.remote import RemoteInferenceEngine, SGLangAdapter, VLLMAdapter
+from arealite.launcher.local import check_backend_installed, gpu_assignment, launch_servers, server_command
+
+
+def _cfg(**kw):
+    return InferenceEngineConfig(n_servers=2, server_max_batch_size=32, **kw)
+
+
+def test_sglang_command():
+    cmd = server_command(_cfg(backend="sglang", tp_size=2, server_args=["--mem-fraction-static", "0.8"]),
+                         "/models/qwen", 30001, seed=7)
+    assert cmd == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/qwen",
+                   "--host", "127.0.0.1", "--port", "30001", "--tp-size", "2", "--random-seed", "7",
+                   "--skip-tokenizer-init", "--max-running-requests", "32", "--mem-fraction-static", "0.8"]
+
+
+def test_vllm_command_asks_for_tempered_logprobs():
+    cmd = server_command(_cfg(backend="vllm"), "/models/qwen", 30002, seed=3)
+    assert cmd == ["vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "30002",
+                   "--tensor-parallel-size", "1", "--seed", "3", "--logprobs-mode", "processed_logprobs",
+                   "--max-num-seqs", "32"]
+
+
+def test_local_command_binds_loopback():
+    cmd = server_command(_cfg(), "/m", 30003, seed=1)
+    assert cmd[:3] == [sys.executable, "-m", "arealite.engine.server"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "30003"
+    assert cmd[cmd.index("--max-batch-size") + 1] == "32"
+
+
+def test_gpu_assignment_after_the_trainer_gpus():
+    assert gpu_assignment(2, 2, 2, ["0", "1", "2", "3", "4", "5"]) == ["2,3", "4,5"]
+    assert gpu_assignment(3, 1, 0, ["4", "5", "6"]) == ["4", "5", "6"]
+    with pytest.raises(ValueError, match=r"rollout.n_servers=2 × rollout.tp_size=2 GPUs plus 1 trainer GPUs = 5"):
+        gpu_assignment(2, 2, 1, ["0", "1", "2", "3"])
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+def test_missing_backend_package_is_a_clear_error(backend, tmp_path):
+    if importlib.util.find_spec(backend) is not None:
+        pytest.skip(f"{backend} is installed")
+    with pytest.raises(ValueError, match=f"rollout.backend={backend}: the '{backend}' package is not installed"):
+        check_backend_installed(backend)
+    with pytest.raises(ValueError, match="pass rollout.addresses"):  # before anything starts
+        launch_servers(_cfg(backend=backend), "/m", str(tmp_path))
+    assert not list(tmp_path.iterdir())
+
+
+# -- adapters -------------------------------------------------------------------------------------
+
+SAMPLING = GenerationConfig(max_new_tokens=16, temperature=0.6, top_p=0.95, top_k=50,
+                            stop_token_ids=[2], stop=["\n\n"]).sampling_params()
+
+
+def test_sglang_adapter_request_and_reply():
+    body = SGLangAdapter.build_request([1, 2, 3], SAMPLING)
+    assert body == {"input_ids": [1, 2, 3], "return_logprob": True, "stream": False,
+                    "sampling_params": {"temperature": 0.6, "top_p": 0.95, "top_k": 50, "max_new_tokens": 16,
+                                        "stop_token_ids": [2], "stop": ["\n\n"]}}
+    # recorded SGLang 0.4.9-style reply (skip_tokenizer_init), stop string matched
+    reply = {"output_ids": [5, 6], "meta_info": {
+        "id": "a", "finish_reason": {"type": "stop", "matched": "\n\n"}, "prompt_tokens": 3,
+        "completion_tokens": 2, "cached_tokens": 0, "weight_version": "3",
+        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]]}}
+    assert SGLangAdapter.parse_response(reply) == ([5, 6], [-0.1, -0.2], "stop", 3)
+    endpoint, payload = SGLangAdapter.disk_update("/w", 4)
+    assert endpoint == "/update_weights_from_disk"
+    assert payload == {"model_path": "/w", "weight_version": 4, "abort_all_requests": True}
+
+
+def test_vllm_adapter_request_and_reply():
+    body = VLLMAdapter.build_request([1, 2, 3], SAMPLING)
+    assert body == {"prompt": [1, 2, 3], "max_tokens": 16, "temperature": 0.6, "top_p": 0.95, "top_k": 50,
+                    "stop_token_ids": [2], "stop": ["\n\n"], "logprobs": 0, "return_tokens_as_token_ids": True,
+                    "skip_special_tokens": False, "ignore_eos": False, "stream": False}
+    # recorded /v1/completions reply shape (OpenAI completions + vLLM token-id strings)
+    reply = {"id": "cmpl-1", "object": "text_completion", "model": "/models/qwen", "choices": [{
+        "index": 0, "text": " 4", "finish_reason": "length", "stop_reason": None,
+        "logprobs": {"tokens": ["token_id:220", "token_id:19"], "token_logprobs": [-0.25, -1.5],
+                     "text_offset": [0, 1], "top_logprobs": [{"token_id:220": -0.25}, {"token_id:19": -1.5}]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    assert VLLMAdapter.parse_response(reply) == ([220, 19], [-0.25, -1.5], "length", None)
+    aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort", "logprobs": None}]}
+    assert VLLMAdapter.parse_response(aborted) == ([], [], "abort", None)
+    with pytest.raises(ValueError, match="rollout.backend=vllm"):
+        VLLMAdapter.disk_update("/w", 1)
+
+
+def test_vllm_client_resubmits_after_abort(monkeypatch):
+    """Interruptible generation through the vLLM adapter: prompt + partial output, reduced budget."""
+    replies = [
+        {"choices": [{"finish_reason": "abort", "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5]}}]},
+        {"choices": [{"finish_reason": "stop", "logprobs": {"tokens": ["token_id:8", "token_id:2"],
+                                                             "token_logprobs": [-0.25, -0.75]}}]},
+    ]
+    sent = []
+    engine = RemoteInferenceEngine(InferenceEngineConfig(backend="vllm"), ["h:1"])
+    engine.set_version(2)
+
+    async def fake_post(addr, endpoint, payload):
+        sent.append((addr, endpoint, payload))
+        return replies.pop(0)
+
+    monkeypatch.setattr(engine, "_apost_once", fake_post)
+    resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=[1, 2], gconfig=GenerationConfig(max_new_tokens=5))))
+    assert resp.output_tokens == [7, 8, 2] and resp.output_logprobs == [-0.5, -0.25, -0.75]
+    assert resp.output_versions == [2, 2, 2] and resp.stop_reason == "stop"
+    assert [(e, p["prompt"], p["max_tokens"]) for _, e, p in sent] == [
+        ("/v1/completions", [1, 2], 5), ("/v1/completions", [1, 2, 7], 4)]
+
+
+def test_pause_resume_endpoints_per_backend(monkeypatch):
+    calls = []
+    monkeypatch.setattr("arealite.engine.remote.post_json",
+                        lambda addr, endpoint, payload=None, *a, **k: calls.append((addr, endpoint)) or {"success": True})
+    for backend, expected in (("sglang", ["/pause_generation", "/continue_generation", "/update_weights_from_disk"]),
+                              ("vllm", ["/pause?mode=abort", "/resume"])):
+        calls.clear()
+        engine = RemoteInferenceEngine(InferenceEngineConfig(backend=backend), ["h:1", "h:2"])
+        engine.pause_generation()
+        engine.continue_generation()
+        if backend == "sglang":
+            engine.update_weights(WeightUpdateMeta(type="disk", path="/w", version=1))
+        assert sorted(calls) == sorted((a, e) for e in expected for a in ("h:1", "h:2"))
