@@ -1,0 +1,221 @@
+"""Generation throughput of our server vs ``model.generate``, and weight-update latency.
+
+Part 1 -- throughput on a mixed-length workload: ``--requests`` prompts of random token ids
+with prompt lengths and output lengths drawn uniformly from ``--prompt-len`` and
+``--output-len`` (seeded; EOS ignored, so every request produces exactly its own number of
+tokens). Same model, dtype, threads and sampling (temperature 1, no top-k/top-p) for:
+
+* ``server``: ``arealite.engine.server`` (continuous batching), all requests sent at once;
+* ``hf-batched``: one ``model.generate`` call on the left-padded batch; it must run to the
+  longest requested output, and only the requested tokens count as useful;
+* ``hf-sequential``: one ``model.generate`` per request (no padding waste, no batching).
+
+tokens/s = useful generated tokens / wall time.
+
+Part 2 -- latency of one weight update of the whole model, trainer (``FSDPEngine``, 1 rank) to
+one server: ``disk`` (save an HF folder + ``/update_weights_from_disk``) and ``distributed``
+(bucketed gloo/NCCL broadcast, first call includes creating the group).
+
+    python benchmarks/generation_throughput.py                    # SmolLM2-135M on CPU, ~3-4 min
+    python benchmarks/generation_throughput.py --model random-qwen2.5-0.5b --device cuda --dtype bfloat16 \\
+        --requests 64 --output-len 64 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from arealite.api.config import InferenceEngineConfig, TrainEngineConfig  # noqa: E402
+from arealite.api.io_struct import WeightUpdateMeta  # noqa: E402
+from arealite.engine.remote import RemoteInferenceEngine, post_json, wait_healthy  # noqa: E402
+
+
+def random_qwen(path: str) -> str:
+    """A randomly initialised model with Qwen2.5-0.5B's shape (tied embeddings), plus the
+    SmolLM2 tokenizer (only so that the trainer engine can save a complete HF folder)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arealite.utils.hf import default_model_path, load_tokenizer
+
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                      tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    load_tokenizer(default_model_path()).save_pretrained(path)
+    return path
+
+
+def workload(args, vocab: int):
+    rng = random.Random(args.seed)
+    reqs = []
+    for _ in range(args.requests):
+        p = rng.randint(*args.prompt_len)
+        reqs.append(([rng.randrange(100, vocab) for _ in range(p)], rng.randint(*args.output_len)))
+    return reqs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, model_path: str):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "arealite.engine.server", "--model-path", model_path, "--port", str(port),
+           "--num-threads", str(args.threads), "--dtype", args.dtype, "--device", args.device,
+           "--max-batch-size", str(args.requests)]
+    log = open(os.path.join(args.workdir, "server.log"), "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    addr = f"127.0.0.1:{port}"
+    wait_healthy([addr], timeout=300, poll=0.5)
+    return proc, addr
+
+
+async def _server_run(addr: str, reqs) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as sess:
+        async def one(ids, n):
+            body = {"input_ids": ids, "return_logprob": True,
+                    "sampling_params": {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True}}
+            async with sess.post(f"http://{addr}/generate", json=body) as r:
+                out = await r.json()
+            assert len(out["output_ids"]) == n, out["meta_info"]
+        start = time.perf_counter()
+        await asyncio.gather(*[one(ids, n) for ids, n in reqs])
+        return time.perf_counter() - start
+
+
+def _hf_generate(model, prompts, n):
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=True,
+                         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
+                         eos_token_id=None, pad_token_id=0)
+    assert out.shape[1] == width + n
+
+
+def hf_runs(args, model_path, reqs) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    model.generation_config.eos_token_id = None
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    out = {}
+    with torch.inference_mode():
+        _hf_generate(model, [reqs[0][0]], 2)  # warm-up
+        sync()
+        start = time.perf_counter()
+        _hf_generate(model, [p for p, _ in reqs], max(n for _, n in reqs))
+        sync()
+        out["hf-batched"] = time.perf_counter() - start
+        if not args.skip_sequential:
+            start = time.perf_counter()
+            for p, n in reqs:
+                _hf_generate(model, [p], n)
+            sync()
+            out["hf-sequential"] = time.perf_counter() - start
+    del model
+    return out
+
+
+def weight_update_latency(args, model_path, addr) -> dict:
+    from arealite.engine.fsdp import FSDPEngine
+
+    actor = FSDPEngine(TrainEngineConfig(path=model_path, dtype=args.dtype))
+    actor.initialize(model_path)
+    cfg = InferenceEngineConfig(request_timeout=600)
+    rollout = RemoteInferenceEngine(cfg, [addr])
+    n_bytes = sum(p.numel() * p.element_size() for p in actor.model.parameters())
+    out = {"model_MiB": n_bytes / 2**20}
+
+    def timed(meta):
+        start = time.perf_counter()
+        rollout.pause_generation()
+        actor.upload_weights(meta)
+        rollout.update_weights(meta)
+        rollout.continue_generation()
+        return time.perf_counter() - start
+
+    path = os.path.join(args.workdir, "weight_update")
+    out["disk_s"] = [timed(WeightUpdateMeta(type="disk", path=path, version=v)) for v in (1, 2)]
+    for mb in args.bucket_mb:
+        meta = lambda v: WeightUpdateMeta(type="distributed", path="", version=v, addresses=[addr],  # noqa: E731
+                                          bucket_bytes=int(mb * 2**20))
+        out[f"distributed_{mb:g}MiB_s"] = [timed(meta(v)) for v in (3, 4)]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="", help="HF folder; '' = SmolLM2-135M-Instruct; 'random-qwen2.5-0.5b'")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 256])
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128])
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the server and for HF")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 1024.0])
+    p.add_argument("--skip-sequential", action="store_true")
+    p.add_argument("--skip-weight-update", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.workdir = tempfile.mkdtemp(prefix="genbench_")
+    if args.model == "random-qwen2.5-0.5b":
+        model_path = random_qwen(os.path.join(args.workdir, "qwen"))
+    else:
+        from arealite.utils.hf import resolve_model_path
+
+        model_path = resolve_model_path(args.model)
+    with open(os.path.join(model_path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    reqs = workload(args, vocab)
+    useful = sum(n for _, n in reqs)
+    print(f"model {model_path} on {args.device} ({args.dtype}, {args.threads} threads); {len(reqs)} requests, "
+          f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]} "
+          f"tokens ({useful} in total)", flush=True)
+
+    proc, addr = start_server(args, model_path)
+    try:
+        asyncio.run(_server_run(addr, reqs[:2]))  # warm-up
+        times = {"server": asyncio.run(_server_run(addr, reqs))}
+        times.update(hf_runs(args, model_path, reqs))
+        for name, t in times.items():
+            print(f"  {name:14s} {t:8.2f} s  {useful / t:9.1f} tokens/s  "
+                  f"(server speed-up {t / times['server']:.2f}x)", flush=True)
+        if not args.skip_weight_update:
+            lat = weight_update_latency(args, model_path, addr)
+            print(f"weight update of {lat.pop('model_MiB'):.0f} MiB (pause + push + load + continue), two runs each:")
+            for name, ts in lat.items():
+                print(f"  {name:26s} " + "  ".join(f"{t:.2f} s" for t in ts), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
