@@ -50,7 +50,8 @@ import textwrap
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+
+from arealite.api.config import SandboxConfig  # the limits (re-exported here)
 
 _CALLS = itertools.count()
 
@@ -78,30 +79,6 @@ _AUDIT_PRELUDE = textwrap.dedent("""\
     _s.addaudithook(_sandbox_hook)
     del _s, _o, _sandbox_hook
 """)
-
-
-@dataclass
-class SandboxConfig:
-    """Limits of one sandboxed call (also the ``sandbox`` section of the tool-agent config)."""
-
-    timeout: float = 5.0  # wall-clock limit of one call [s]
-    cpu_time: int = 5  # RLIMIT_CPU of the process [CPU s]
-    memory_mb: int = 512  # RLIMIT_AS (address space) per process [MiB]
-    max_processes: int = 16  # RLIMIT_NPROC: processes/threads of the sandbox uid
-    max_file_mb: int = 16  # RLIMIT_FSIZE: largest file the code may write [MiB]
-    max_output_bytes: int = 4096  # stdout+stderr returned; more kills the process [bytes]
-    mode: Literal["auto", "namespace", "rlimit"] = "auto"  # see arealite/sandbox.py
-    uid_base: int = 200000  # namespace mode: calls run as uid_base + (pid·64 + call) mod 50000
-
-    def validate(self) -> None:
-        """Raises ValueError naming the bad field (called before any process is started)."""
-        for name in ("timeout", "cpu_time", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.memory_mb < 64:
-            raise ValueError(f"sandbox.memory_mb={self.memory_mb}: Python needs at least 64 MiB of address space")
-        if self.mode not in ("auto", "namespace", "rlimit"):
-            raise ValueError(f"sandbox.mode must be auto|namespace|rlimit, got {self.mode!r}")
 
 
 @dataclass

@@ -306,6 +306,57 @@ class DPOConfig:
         return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
 
 
+@dataclass
+class SandboxConfig:
+    """Limits of one sandboxed Python run (arealite/sandbox.py explains the isolation modes)."""
+
+    timeout: float = 5.0  # wall-clock limit of one call [s]
+    cpu_time: int = 5  # RLIMIT_CPU of the process [CPU s]
+    memory_mb: int = 512  # RLIMIT_AS (address space) per process [MiB]
+    max_processes: int = 16  # RLIMIT_NPROC: processes/threads of the sandbox uid
+    max_file_mb: int = 16  # RLIMIT_FSIZE: largest file the code may write [MiB]
+    max_output_bytes: int = 4096  # stdout+stderr returned to the model; more kills the program [bytes]
+    mode: Literal["auto", "namespace", "rlimit"] = "auto"  # auto = namespace when root + unshare work
+    uid_base: int = 200000  # namespace mode: calls run as uid_base + (pid·64 + call) mod 50000
+
+    def validate(self) -> None:
+        """Raises ValueError naming the bad ``sandbox.*`` field (before any process is started)."""
+        for name in ("timeout", "cpu_time", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.memory_mb < 64:
+            raise ValueError(f"sandbox.memory_mb={self.memory_mb}: Python needs at least 64 MiB of address space")
+        if self.mode not in ("auto", "namespace", "rlimit"):
+            raise ValueError(f"sandbox.mode must be auto|namespace|rlimit, got {self.mode!r}")
+
+
+@dataclass
+class MultiTurnConfig:
+    """Episode shape of the multi-turn workflows (arealite/workflow/multi_turn.py)."""
+
+    max_turns: int = 2  # model turns per episode (answers, or code runs plus the answer)
+    turn_discount: float = 0.9  # reward × turn_discount^(turns − 1): each extra turn costs this factor
+    max_context_tokens: int = 1024  # stop before a turn whose prompt + max_new_tokens exceeds this [tokens]
+
+
+@dataclass
+class MultiTurnGRPOConfig(GRPOConfig):
+    """Top-level config of recipes/multi_turn_math.py: GRPO over multi-turn feedback episodes."""
+
+    experiment_name: str = "multi_turn_math"
+    agent: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+
+@dataclass
+class ToolAgentGRPOConfig(GRPOConfig):
+    """Top-level config of recipes/tool_agent_math.py: GRPO over episodes with a Python tool."""
+
+    experiment_name: str = "tool_agent_math"
+    agent: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig(max_turns=3, turn_discount=1.0))
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    tool_role: str = "user"  # chat role of tool output ("tool" for templates that have one)
+
+
 # ------------------------------------------------------------------------------------------------
 # Loading
 # ------------------------------------------------------------------------------------------------
