@@ -32,7 +32,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from arealite.algorithms.dpo import DPO
 from arealite.api.config import DPOConfig, load_config, to_dict
-from arealite.api.io_struct import WeightUpdateMeta
 from arealite.dataset.math_data import load_dataset
 from arealite.dataset.preference_data import PreferenceCollator, load_preference_dataset
 from arealite.engine.fsdp import FSDPEngine, init_distributed
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         # 3. Online: weight sync (pause → save → servers load → version bump → resume).
         if online:
             rollout.pause()
-            meta = WeightUpdateMeta(type="disk", path=weight_dir, version=version + 1)
+            meta = rollout.weight_update_meta(weight_dir, version + 1)  # rollout.weight_sync: disk | distributed
             if rank == 0:
                 rollout.pause_generation()
             actor.upload_weights(meta)

@@ -90,11 +90,25 @@ class WeightUpdateGroup:
     world_size: int
 
 
-def broadcast_tensor(group: WeightUpdateGroup, tensor: torch.Tensor, src: int = 0) -> None:
-    """Blocking broadcast of ``tensor`` (in place on receivers) from ``src`` over ``group``."""
+def broadcast_tensor(group: WeightUpdateGroup, tensor: torch.Tensor, src: int = 0, abort_if=None) -> None:
+    """Blocking broadcast of ``tensor`` (in place on receivers) from ``src`` over ``group``.
+
+    ``abort_if``: optional callable polled while waiting; when it returns an exception, that
+    exception is raised instead of waiting for the group timeout (e.g. a server rejected the
+    request and will never join this broadcast).
+    """
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
-    group.pg.broadcast([tensor], opts).wait()
+    work = group.pg.broadcast([tensor], opts)
+    if abort_if is None:
+        work.wait()
+        return
+    while not work.is_completed():
+        error = abort_if()
+        if error is not None:
+            raise error
+        time.sleep(0.0005)
+    work.wait()  # raises if the collective failed
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -141,6 +155,9 @@ def _run_concurrently(fn, *args):
     t = threading.Thread(target=target, daemon=True)
     t.start()
 
+    def failed():  # the call's exception if it already finished with one, else None
+        return box.get("error") if not t.is_alive() else None
+
     def join(timeout: float | None = None):
         t.join(timeout)
         if t.is_alive():
@@ -149,7 +166,22 @@ def _run_concurrently(fn, *args):
             raise box["error"]
         return box.get("result")
 
+    join.failed = failed
+    join.done = lambda: not t.is_alive()
     return join
+
+
+def _join_all(joins):
+    """Results of concurrent calls in order; raises the first failure as soon as it happens
+    (the others may be blocked in a collective that the failed server will never join)."""
+    while True:
+        for j in joins:
+            error = j.failed()
+            if error is not None:
+                raise error
+        if all(j.done() for j in joins):
+            return [j() for j in joins]
+        time.sleep(0.002)
 
 
 def init_group(addresses: list[str], backend: str, tp_size: int = 1,
@@ -174,7 +206,7 @@ def init_group(addresses: list[str], backend: str, tp_size: int = 1,
             "master_address": master, "master_port": port, "rank_offset": 1 + i * tp_size,
             "world_size": world, "group_name": group_name, "backend": backend,
         }, timeout_s, 1) for i, a in enumerate(addresses)]  # retries=1: not idempotent
-        replies = [j() for j in joins]
+        replies = _join_all(joins)
         for a, r in zip(addresses, replies):
             if not r.get("success", False):
                 raise ServerError(f"{a}/init_weights_update_group failed: {r}")
@@ -266,17 +298,18 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
             def post_all(payload=payload):  # concurrently: every server must be receiving
                 joins = [_run_concurrently(post_json, a, "/update_weights_from_distributed",
                                            payload, timeout_s, 1) for a in addresses]
-                return [j() for j in joins]
+                return _join_all(joins)
 
             join = _run_concurrently(post_all)
             for _, t in bucket:
                 t = t.contiguous()
                 if backend == "gloo" and t.device.type != "cpu":
                     t = t.cpu()
-                broadcast_tensor(pg, t)
+                broadcast_tensor(pg, t, abort_if=join.failed)
             for a, reply in zip(addresses, join(timeout=timeout_s)):
                 if not reply.get("success", False):
-                    raise ServerError(f"{a}/update_weights_from_distributed failed: {reply}")
+                    raise ServerError(f"{a}/update_weights_from_distributed failed: {reply}; the "
+                                      "servers' weights may be partly updated: push again")
             stats["n_buckets"] += 1
             stats["n_tensors"] += len(bucket)
             stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
