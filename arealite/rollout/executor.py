@@ -12,12 +12,25 @@ Failure policy: an exception inside one episode is logged with its traceback and
 (``stat.failed``); the loop goes on. If every episode keeps failing (``max_consecutive_failures``
 in a row, e.g. the servers died) or the loop thread itself dies, the next ``wait`` raises
 instead of waiting forever.
+
+Resume (:meth:`WorkflowExecutor.state_dict` / :meth:`~WorkflowExecutor.load_state_dict`): the
+executor remembers every data row it was given until the trainer receives its trajectory
+(or the episode is rejected, fails or is dropped as stale). A recover checkpoint stores those
+*pending* rows (queued, generating, or finished but not yet trained on) in submission order,
+the position of the dataloader (epoch + ``StatefulDataLoader`` state) and the staleness
+counters. After a resume the pending rows are submitted first, then the dataloader continues
+where it stood: the sequence of prompts entering the pipeline is the one of an uninterrupted
+run, minus the prompts already trained on, so no prompt is skipped or trained twice. Not
+reproduced: the samples themselves (generation is asynchronous and sampled; an episode that
+was half-generated restarts from scratch under the resumed weights) and the order in which
+episodes finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -27,8 +40,10 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from arealite.api.config import InferenceEngineConfig
+from arealite.api.io_struct import RolloutStat
 from arealite.rollout.staleness import StalenessManager
 from arealite.utils.data import concat_padded
+from arealite.utils.recover import EpochLoader
 
 if TYPE_CHECKING:
     from arealite.api.engine import InferenceEngine
@@ -65,8 +80,15 @@ class WorkflowExecutor:
         self._exiting = threading.Event()
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
-        self._data_iter = None
-        self._epoch = 0
+        # Resume bookkeeping: rows given to submit() and not yet trained on / discarded, by a
+        # submission counter (their order); trajectories handed to the trainer so far.
+        self._rows_lock = threading.Lock()
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._next_seq = 0
+        self._returned = 0
+        self._loader: EpochLoader | None = None  # prepare_batch's dataloader, epoch after epoch
+        self._resubmit: list[dict[str, Any]] = []  # restored pending rows, submitted first
+        self._loader_state: dict | None = None  # restored data position, applied to the loader
         # Every episode failing (e.g. the servers are gone) must end in an error, not a hang.
         self.max_consecutive_failures = max(8, 4 * batch)
         self._consecutive_failures = 0
@@ -103,9 +125,9 @@ class WorkflowExecutor:
                     and not self._input.empty()
                     and self.staleness.capacity(self._version) > 0
                 ):
-                    data, workflow = self._input.get_nowait()
+                    seq, data, workflow = self._input.get_nowait()
                     self.staleness.on_start()
-                    task = asyncio.create_task(self._run_episode(data, workflow))
+                    task = asyncio.create_task(self._run_episode(seq, data, workflow))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 await asyncio.sleep(0.005)
@@ -117,7 +139,7 @@ class WorkflowExecutor:
             if aclose is not None:
                 await aclose()
 
-    async def _run_episode(self, data: dict[str, Any], workflow: "RolloutWorkflow") -> None:
+    async def _run_episode(self, seq: int, data: dict[str, Any], workflow: "RolloutWorkflow") -> None:
         start = time.time()
         try:
             traj = await workflow.arun_episode(self.engine, data)
@@ -126,18 +148,25 @@ class WorkflowExecutor:
         except Exception as e:
             logger.exception("rollout episode failed (counted in rollout/failed; the loop goes on)")
             self.staleness.on_finish(accepted=False, failed=True)
+            self._discard(seq)
             self._consecutive_failures += 1
             self._last_error = e
             return
         self._consecutive_failures = 0
         if traj is None:
             self.staleness.on_finish(accepted=False)
+            self._discard(seq)
             return
         n = traj["input_ids"].shape[0]
         traj["rollout_start_time"] = torch.full((n,), start, dtype=torch.float64)
         traj["rollout_end_time"] = torch.full((n,), time.time(), dtype=torch.float64)
         self.staleness.on_finish(accepted=True)
-        self._output.put(traj)
+        self._output.put((seq, traj))
+
+    def _discard(self, seq: int | None) -> None:
+        """The row of episode ``seq`` is done with (trained on, rejected, failed or stale)."""
+        with self._rows_lock:
+            self._pending.pop(seq, None)
 
     # -- versions and pausing -------------------------------------------------------------------
     def set_version(self, version: int) -> None:
@@ -160,9 +189,13 @@ class WorkflowExecutor:
     # -- producer / consumer API -----------------------------------------------------------------
     def submit(self, data: dict[str, Any], workflow: "RolloutWorkflow") -> None:
         """Queue one episode. Raises ``RuntimeError`` if the input queue is full."""
+        with self._rows_lock:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            self._pending[seq] = data
         try:
-            self._input.put_nowait((data, workflow))
+            self._input.put_nowait((seq, data, workflow))
         except queue.Full:
+            self._discard(seq)
             raise RuntimeError(
                 "rollout input queue is full; raise rollout.queue_size or call wait() more often"
             ) from None
@@ -194,20 +227,26 @@ class WorkflowExecutor:
             if remaining <= 0:
                 raise TimeoutError(f"only {len(self._ready)}/{count} rollouts ready after {timeout} s")
             try:
-                traj = self._output.get(timeout=remaining)
+                item = self._output.get(timeout=remaining)
             except queue.Empty:
                 continue
+            seq, traj = item if isinstance(item, tuple) else (None, item)  # tests may put bare trajectories
             generated = traj["versions"][traj["versions"] >= 0]
             min_version = int(generated.min()) if generated.numel() else -1
             if self.staleness.is_fresh(min_version, self._version):
-                self._ready.append(traj)
+                self._ready.append((seq, traj))
             else:
+                self._discard(seq)
                 logger.warning(
                     "dropping a stale trajectory: oldest token version %d < %d - η(%d)",
                     min_version, self._version, self.staleness.eta,
                 )
                 self.staleness.on_drop_stale()
-        return concat_padded([self._ready.popleft() for _ in range(count)])
+        taken = [self._ready.popleft() for _ in range(count)]
+        for seq, _ in taken:
+            self._discard(seq)
+        self._returned += count
+        return concat_padded([traj for _, traj in taken])
 
     def rollout_batch(self, data: list[dict[str, Any]], workflow: "RolloutWorkflow") -> dict[str, torch.Tensor]:
         """Synchronous mode: run one episode per row of ``data`` and wait for all of them."""
@@ -233,22 +272,50 @@ class WorkflowExecutor:
             return result
 
     def _feed(self, dataloader: Iterable, workflow: "RolloutWorkflow") -> None:
-        """Keep ``(η + 1) · B`` episodes waiting in the input queue (what admission can use)."""
+        """Keep ``(η + 1) · B`` episodes waiting in the input queue (what admission can use):
+        rows restored from a checkpoint first, then the dataloader (cycling over epochs, a new
+        shuffle order each via ``sampler.set_epoch``)."""
+        if self._loader is None or self._loader.dataloader is not dataloader:
+            self._loader = EpochLoader(dataloader)
+            if self._loader_state is not None:
+                self._loader.load_state_dict(self._loader_state)
+                self._loader_state = None
         target = (self.staleness.eta + 1) * self.staleness.batch_size
         while self._input.qsize() < target:
-            fresh_epoch = self._data_iter is None
-            if fresh_epoch:
-                sampler = getattr(dataloader, "sampler", None)
-                if hasattr(sampler, "set_epoch"):  # a new shuffle order every epoch
-                    sampler.set_epoch(self._epoch)
-                self._epoch += 1
-                self._data_iter = iter(dataloader)
-            try:
-                rows = next(self._data_iter)
-            except StopIteration:  # new epoch
-                self._data_iter = None
-                if fresh_epoch:
-                    raise ValueError("prepare_batch: the dataloader yields no batches (empty dataset?)")
+            if self._resubmit:
+                self.submit(self._resubmit.pop(0), workflow)
                 continue
+            try:
+                rows = self._loader.next()
+            except ValueError as e:
+                raise ValueError(f"prepare_batch: {e}") from None
             for row in rows:
                 self.submit(row, workflow)
+
+    # -- resume --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a recover checkpoint needs to continue this rank's data stream exactly (see the
+        module docstring): ``pending_rows`` (submission order), ``data`` (the position of
+        prepare_batch's dataloader), ``stat`` (the ``RolloutStat`` counters) and ``returned``
+        (trajectories handed to the trainer). Call it from the trainer thread between steps.
+
+        Raises:
+            TypeError: the dataloader cannot save its position (not a ``StatefulDataLoader``).
+        """
+        with self._rows_lock:
+            pending = [self._pending[s] for s in sorted(self._pending)] + list(self._resubmit)
+        data = self._loader.state_dict() if self._loader is not None else self._loader_state
+        return {"pending_rows": pending, "data": data, "stat": dataclasses.asdict(self.staleness.stat),
+                "returned": self._returned}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a fresh executor (nothing submitted yet). The pending
+        rows are resubmitted before anything new is read by :meth:`prepare_batch`; the counters
+        are restored by :meth:`StalenessManager.on_resume`."""
+        with self._rows_lock:
+            if self._pending or self._next_seq:
+                raise RuntimeError("WorkflowExecutor.load_state_dict: call it before submitting anything")
+        self._resubmit = list(state["pending_rows"])
+        self._loader_state, self._loader = state["data"], None
+        self._returned = int(state["returned"])
+        self.staleness.on_resume(RolloutStat(**state["stat"]), trained=self._returned)

@@ -78,8 +78,15 @@ class StalenessManager:
             self.stat.accepted -= 1
             self.stat.dropped_stale += 1
 
-    def on_version_recovered(self, version: int) -> None:
-        """After a resume at ``version``, count ``version · B`` as consumed so that admission does
-        not burst (AReaL commit 6a84d4ed6)."""
+    def on_resume(self, saved: RolloutStat, trained: int) -> None:
+        """Restore the counters of a recover checkpoint, whose unfinished episodes will run again.
+
+        ``accepted`` = ``trained`` (trajectories the trainer already received, normally v · B at
+        version v, so that admission neither bursts nor stalls; AReaL commit 6a84d4ed6),
+        ``running`` = 0, ``submitted`` = the episodes that ended for good; ``rejected``,
+        ``failed`` and ``dropped_stale`` continue from ``saved``."""
         with self._lock:
-            self.stat.accepted = version * self.batch_size
+            s = self.stat
+            s.rejected, s.failed, s.dropped_stale = saved.rejected, saved.failed, saved.dropped_stale
+            s.accepted, s.running = trained, 0
+            s.submitted = trained + saved.rejected + saved.failed + saved.dropped_stale
