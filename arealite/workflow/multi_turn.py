@@ -19,6 +19,7 @@ at the first try keeps its full reward, every extra turn costs a factor ``turn_d
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import threading
@@ -199,6 +200,22 @@ class MultiTurnWorkflow(RolloutWorkflow):
         finally:
             await env.aclose()
         return ep
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """One greedy episode per row (through ``engine``, e.g. inside a recipe, from a fresh
+        event loop). Returns ``{"reward": mean discounted reward, "solved": fraction with reward
+        > 0, "turns": mean model turns}``."""
+        greedy = copy.copy(self)
+        greedy.gconfig = replace(self.gconfig, greedy=True, n_samples=1)
+        try:
+            eps = await asyncio.gather(*[greedy.run_one(engine, r) for r in rows])
+        finally:
+            aclose = getattr(engine, "aclose", None)  # an HTTP session is bound to this event loop
+            if aclose is not None:
+                await aclose()
+        n = max(1, len(eps))
+        return {"reward": sum(e.reward for e in eps) / n, "solved": sum(e.reward > 0 for e in eps) / n,
+                "turns": sum(e.turns for e in eps) / n}
 
     def _dump(self, data, episodes: list[Episode], start: float) -> None:
         record = {

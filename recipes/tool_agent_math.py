@@ -1,0 +1,36 @@
+"""Asynchronous GRPO on math with a sandboxed Python tool (GSM8K-style problems).
+
+    torchrun --nproc_per_node=1 recipes/tool_agent_math.py          # embedded defaults (CPU is fine)
+    python recipes/tool_agent_math.py --config recipes/configs/tool_agent_math.yaml \
+        --train_dataset.path ../shared/data/gsm8k/train.jsonl --gconfig.max_new_tokens 192
+
+The model may write a ```python block; it runs in :mod:`arealite.sandbox` (limits in ``sandbox.*``)
+and its output comes back as a message; a turn without code is the final answer, scored by the
+math reward (:mod:`arealite.workflow.tool_agent`). Same loop as ``multi_turn_math.py``; logs
+``rollout/reward`` and ``rollout/turns``; ``rollouts/rollouts.jsonl`` has ``info.tool_calls``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multi_turn_math import train  # noqa: E402
+
+from arealite.api.config import ToolAgentGRPOConfig, load_config  # noqa: E402
+from arealite.workflow.tool_agent import ToolAgentMathWorkflow  # noqa: E402
+
+
+def build_tool_agent(config: ToolAgentGRPOConfig, tokenizer, dump_dir: str | None) -> ToolAgentMathWorkflow:
+    a = config.agent
+    return ToolAgentMathWorkflow(config.gconfig, tokenizer, a.max_turns, a.turn_discount, a.max_context_tokens,
+                                 sandbox=config.sandbox, tool_role=config.tool_role, dump_dir=dump_dir)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return train(load_config(ToolAgentGRPOConfig, argv), build_tool_agent)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
