@@ -9,7 +9,9 @@ Per step: take a batch of finished rollouts (generated asynchronously, at most
 ``rollout.max_head_offpolicyness`` versions old) → GRPO update → push the new weights to the
 inference servers (pause → save → load → version bump → resume) → log.
 Outputs under ``fileroot/experiment_name/trial_name/``: ``stats.jsonl``, ``tensorboard/``,
-``rollouts/rollouts.jsonl``, ``final/`` (HF checkpoint), server logs.
+``rollouts/rollouts.jsonl``, ``final/`` (HF checkpoint), server logs, and with
+``--recover.freq_steps N`` recover checkpoints ``recover/stepK``; ``--recover.mode auto`` resumes
+the newest after a crash (README "Resuming a run").
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from arealite.evaluate import aevaluate
 from arealite.launcher.local import make_inference_engine, trainer_threads
 from arealite.reward.math import math_reward
 from arealite.utils.hf import load_tokenizer, resolve_model_path
+from arealite.utils.recover import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint, should_save
 from arealite.utils.stats_logger import StatsLogger
 from arealite.workflow.rlvr import RLVRWorkflow
 
@@ -51,6 +54,23 @@ def load_dataset_or_explain(name: str, cfg, split: str, seed: int) -> list[dict]
         return load_dataset(cfg.path, split, cfg.size, seed)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"{name}.path={cfg.path!r}: {e}") from None
+
+
+def sync_weights(actor: FSDPEngine, rollout, weight_dir: str, version: int) -> None:
+    """Pause → push the actor's weights (rollout.weight_sync: disk | distributed) → servers load
+    them → version bump on both sides → resume."""
+    rollout.pause()
+    meta = rollout.weight_update_meta(weight_dir, version)
+    if dist.get_rank() == 0:
+        rollout.pause_generation()
+    actor.upload_weights(meta)
+    if dist.get_rank() == 0:
+        rollout.update_weights(meta)
+        rollout.continue_generation()
+    dist.barrier()
+    actor.set_version(version)
+    rollout.set_version(version)
+    rollout.resume()
 
 
 def rollout_stats(batch: dict, version: int, prev_train_end: float, rollout) -> dict[str, float]:
@@ -98,8 +118,15 @@ def main(argv: list[str] | None = None, config_cls: type = GRPOConfig, build_alg
     valid_rows = load_dataset_or_explain("valid_dataset", config.valid_dataset, "test", config.seed)
     model_path = resolve_model_path(config.actor.path)
     out = config.output_dir
+    recover_dir = os.path.join(out, "recover")
+    recover_path = resolve_checkpoint(config.recover, recover_dir)  # recover.mode; None = start fresh
     if rank == 0:
-        if os.path.exists(os.path.join(out, "stats.jsonl")):
+        if recover_path:
+            print(f"resuming from {recover_path}; logs and rollouts are appended to", flush=True)
+        elif list_checkpoints(recover_dir):
+            print(f"WARNING: starting fresh; the recover checkpoints in {recover_dir} will be replaced "
+                  "(pass --recover.mode auto to resume from them instead)", flush=True)
+        if os.path.exists(os.path.join(out, "stats.jsonl")) and not recover_path:
             print(f"WARNING: {out} already holds a run; its logs and rollouts will be appended to. "
                   "Pass --trial_name NAME for a separate run.", flush=True)
         os.makedirs(out, exist_ok=True)
@@ -131,15 +158,25 @@ def main(argv: list[str] | None = None, config_cls: type = GRPOConfig, build_alg
     def evaluate() -> float:  # greedy held-out accuracy through the servers (rank 0)
         return asyncio.run(aevaluate(rollout, tokenizer, valid_rows, config.gconfig)) if rank == 0 else 0.0
 
+    # Resume: actor (+ critic) weights, optimizer, LR schedule, version, RNG, and the rollout
+    # executor's data position incl. the prompts pulled but not trained on (they run again first).
+    engines = {"actor": actor}
+    if getattr(algo, "critic", None) is not None:
+        engines["critic"] = algo.critic
+    start_step = 0
+    if recover_path:
+        start_step = load_checkpoint(recover_path, engines, {"rollout": rollout.executor})
+        sync_weights(actor, rollout, weight_dir, start_step)  # the servers started from model_path
+
     summary = {}
-    if config.evaluator.at_start:
+    if config.evaluator.at_start and not start_step:
         summary["eval/accuracy_start"] = evaluate()
         if rank == 0:
             print(f"held-out greedy accuracy before training: {summary['eval/accuracy_start']:.3f} "
                   f"({len(valid_rows)} problems)", flush=True)
     prev_train_end = 0.0
     trained_samples, run_start = 0, time.time()
-    for step in range(config.total_train_steps):
+    for step in range(start_step, config.total_train_steps):
         version = step  # weights the servers hold = completed updates
         # 1. Rollouts: asynchronous; generation of the next batches continues during training.
         t0 = time.time()
@@ -148,19 +185,8 @@ def main(argv: list[str] | None = None, config_cls: type = GRPOConfig, build_alg
         # 2. GRPO update (advantages, proximal logprobs, PPO minibatches).
         stats = algo.update(batch)
         t2 = time.time()
-        # 3. Weight sync: pause → save → servers load → version bump → resume.
-        rollout.pause()
-        meta = rollout.weight_update_meta(weight_dir, version + 1)  # rollout.weight_sync: disk | distributed
-        if rank == 0:
-            rollout.pause_generation()
-        actor.upload_weights(meta)
-        if rank == 0:
-            rollout.update_weights(meta)
-            rollout.continue_generation()
-        dist.barrier()
-        actor.set_version(version + 1)
-        rollout.set_version(version + 1)
-        rollout.resume()
+        # 3. Weight sync: pause → push → servers load → version bump → resume.
+        sync_weights(actor, rollout, weight_dir, version + 1)
         t3 = time.time()
 
         # 4. Logging: reward, staleness, overlap evidence, time split.
@@ -177,6 +203,8 @@ def main(argv: list[str] | None = None, config_cls: type = GRPOConfig, build_alg
         if config.saver.freq_steps and (step + 1) % config.saver.freq_steps == 0:
             actor.save(os.path.join(out, "checkpoints", f"step{step + 1}"))
         stats_logger.commit(step, stats)
+        if should_save(config.recover, step + 1):  # exact-resume state (a crash before it redoes this step)
+            save_checkpoint(recover_dir, step + 1, engines, {"rollout": rollout.executor}, config.recover.keep_last)
 
     loop_time = time.time() - run_start
     actor.save(os.path.join(out, "final"))
