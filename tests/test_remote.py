@@ -267,10 +267,10 @@ def test_bad_backend_config_is_rejected():
 
 
 @pytest.fixture(scope="module")
-def real_servers(tmp_path_factory):
+def real_servers(tmp_path_factory, tiny_model_dir):
     """Two of our servers on the tiny model (>= 10 ms per decode step). Yields (addresses, procs, model dirs)."""
     root = tmp_path_factory.mktemp("remote")
-    model_a = save_tiny_model(str(root / "a"), seed=0)
+    model_a = tiny_model_dir  # seed 0
     model_b = save_tiny_model(str(root / "b"), seed=1)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -28,9 +28,9 @@ def _digest(t: torch.Tensor) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("wsync")
-    model_a = save_tiny_model(str(root / "a"), seed=0)
+    model_a = tiny_model_dir  # seed 0
     model_b = save_tiny_model(str(root / "b"), seed=1)
     cfg = InferenceEngineConfig(n_servers=2, setup_timeout=120, request_timeout=120,
                                 weight_sync="distributed")
