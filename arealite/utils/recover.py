@@ -291,7 +291,10 @@ def save_checkpoint(root: str, step: int, engines: dict[str, "FSDPEngine"],
     final = os.path.join(root, f"step{step}")
     tmp = os.path.join(root, f".tmp-step{step}")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save killed earlier
+        if os.path.isdir(root):  # debris of saves killed earlier (never loaded, see list_checkpoints)
+            for name in os.listdir(root):
+                if name.startswith(".tmp-step"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     sharded = {}
