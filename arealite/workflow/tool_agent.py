@@ -8,9 +8,9 @@ Protocol (plain text, works with any chat template): a turn that contains a fenc
 
 is cut right after the closing fence (a stop string: the sampled ids after it are dropped), the
 code runs in :mod:`arealite.sandbox`, and its output comes back as a message
-``Output:\\n```output\\n...\\n```\\n`` (role ``tool_role``). A turn without a code block is the
-final answer, scored by :func:`arealite.reward.math.math_reward`; the episode also ends after
-``max_turns`` model turns (reward 0 if the last turn was still code). Sandbox violations (time,
+``Output:\\n```output\\n...\\n```\\n`` plus :data:`AFTER_OUTPUT` (role ``tool_role``). A turn
+without a code block is the final answer, scored by :func:`arealite.reward.math.math_reward`; the
+episode also ends after ``max_turns`` model turns (reward 0 if the last turn was still code). Sandbox violations (time,
 memory, processes, network, output size) come back to the model as ``[sandbox error] ...``;
 they never reach the trainer.
 """
@@ -29,10 +29,11 @@ from arealite.workflow.multi_turn import MultiTurnWorkflow
 
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 
-TOOL_INSTRUCTION = (
-    "\nYou may run Python: write a ```python code block``` and you will get its printed output. "
-    "When you know the result, answer with just the number at the end."
-)
+# A one-shot format example: without it SmolLM2-135M-Instruct wrote a code block for 0/6 GSM8K
+# problems; with it for 4/8 (GSM8K) and 7/8 (embedded arithmetic), sampled at temperature 0.7.
+TOOL_INSTRUCTION = ("\nUse Python to compute it. Reply with only a Python code block that prints the result, "
+                    "like this:\n```python\nprint(3 * 4 + 5)\n```")
+AFTER_OUTPUT = "If this is the result, reply with just the final number; otherwise fix the code."
 
 
 def extract_code(text: str) -> str | None:
@@ -64,7 +65,8 @@ class PythonToolMathEnv(Environment):
         sandbox: limits of each code run.
         tool_role: role of the tool-output message ("user" suits templates without a tool role,
             e.g. SmolLM2's; "tool" for templates that have one).
-        instruction: appended to the last user message of the row (how to call the tool).
+        instruction: how to call the tool; appended to the row's ``question`` (or, without one,
+            to its last message, which replaces the dataset's answer-format instruction).
 
     ``info`` counts ``tool_calls`` and ``tool_errors`` per episode.
     """
@@ -80,7 +82,10 @@ class PythonToolMathEnv(Environment):
                 raise KeyError(f"dataset row has no {key!r} field; rows need 'messages' and 'answer'")
         self.answer = data["answer"]
         messages = [dict(m) for m in data["messages"]]
-        messages[-1]["content"] += self.instruction
+        if "question" in data:  # rows of arealite.dataset.math_data: the bare problem text
+            messages[-1]["content"] = data["question"] + self.instruction
+        else:
+            messages[-1]["content"] += self.instruction
         return messages
 
     async def astep(self, completion: str) -> StepResult:
@@ -89,7 +94,8 @@ class PythonToolMathEnv(Environment):
             reward = await self.reward_worker.acompute(math_reward, completion, self.answer)
             return StepResult(reward=reward, done=True, info={"tool_calls": 0})
         result = await arun_python(code, self.sandbox)
-        return StepResult(messages=[{"role": self.tool_role, "content": f"Output:\n```output\n{result.observation()}\n```"}],
+        content = f"Output:\n```output\n{result.observation()}\n```\n{AFTER_OUTPUT}"
+        return StepResult(messages=[{"role": self.tool_role, "content": content}],
                           info={"tool_calls": 1, "tool_errors": int(not result.ok)})
 
 
