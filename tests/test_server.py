@@ -260,6 +260,10 @@ BAD_REQUESTS = [
     ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 157}},
      "sampling_params.max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ({"input_ids": [1], "sampling_params": {"stop": 3}}, "sampling_params.stop"),
+    ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
+    # this server's model folder has no tokenizer: stop strings cannot be matched
+    ({"input_ids": [1], "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop"),
 ]
 
 
@@ -274,6 +278,11 @@ def test_error_messages_say_how_to_fix():
     with pytest.raises(ValueError, match="lower max_new_tokens to at most 156"):
         parse_generate_request({"input_ids": [1] * 100, "sampling_params":
                                 {"max_new_tokens": 200}}, VOCAB, 256)
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        parse_generate_request({"input_ids": [1], "sampling_params": {"stop": "x"}}, VOCAB, 256,
+                               has_tokenizer=False)
+    _, params, _, _ = parse_generate_request({"input_ids": [1], "sampling_params": {"stop": "x"}}, VOCAB, 256)
+    assert params.stop == ("x",)
     with pytest.raises(ValueError, match="send n requests"):
         parse_generate_request({"input_ids": [1], "sampling_params": {"n": 4}}, VOCAB, 256)
     ids, params, logprob, rid = parse_generate_request(
