@@ -190,14 +190,19 @@ def sample_next_tokens(logits, temperature, top_p, top_k, generator):
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     tokens = logits.argmax(dim=-1)
-    rows = (~greedy).nonzero().squeeze(1)
+    vocab = logits.shape[-1]
+    filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    plain = (~greedy & ~filtered).nonzero().squeeze(1)
+    if plain.numel():  # no top-k/top-p: sample the tempered softmax directly (no sort)
+        choice = torch.multinomial(logprobs_all[plain].exp(), 1, generator=generator)
+        tokens[plain] = choice.squeeze(1)
+    rows = (~greedy & filtered).nonzero().squeeze(1)
     if rows.numel():
         probs = logprobs_all[rows].exp()
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        vocab = probs.shape[-1]
         k = top_k[rows]
         k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
-        drop = torch.arange(vocab)[None, :] >= k[:, None]
+        drop = torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
         mass_before = sorted_p.cumsum(dim=-1) - sorted_p
         drop |= mass_before >= top_p[rows][:, None]
         drop[:, 0] = False
