@@ -47,7 +47,8 @@ def build_multi_turn(config: MultiTurnGRPOConfig, tokenizer, dump_dir: str | Non
 
 def train(config, build_workflow) -> dict:
     """The training loop shared by the agent recipes; ``build_workflow(config, tokenizer, dump_dir)``
-    returns a :class:`MultiTurnWorkflow` (it owns a ``reward_worker``)."""
+    returns a workflow with ``aevaluate(engine, rows)`` (a :class:`MultiTurnWorkflow`, or an
+    :class:`arealite.agent.OpenAIAgentWorkflow`; see docs/custom_agent.md)."""
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     random.seed(config.seed + rank)
@@ -140,7 +141,8 @@ def train(config, build_workflow) -> dict:
     stats_logger.summary(config.total_train_steps, {k: float(v) for k, v in summary.items()})
     stats_logger.close()
     rollout.destroy()
-    workflow.reward_worker.close()
+    if getattr(workflow, "reward_worker", None) is not None:
+        workflow.reward_worker.close()
     actor.destroy()
     return summary
 

@@ -132,3 +132,29 @@ def test_client_rejects_what_it_cannot_train_on(tiny_model_dir):
         asyncio.run(client.chat.completions.create(messages=msgs, n=2))
     with pytest.raises(RuntimeError, match="no chat.completions.create call"):
         client.export_episode(0.0)
+
+
+def test_the_documented_example_agent_runs_and_is_at_most_40_lines(tiny_model_dir):
+    import os
+    import re
+    import sys
+
+    from conftest import REPO_ROOT
+
+    doc = open(os.path.join(REPO_ROOT, "docs", "custom_agent.md")).read()
+    code = re.search(r"```python\n(.*?)```", doc, re.DOTALL).group(1)
+    assert len(code.strip().splitlines()) <= 40
+    sys.path.insert(0, os.path.join(REPO_ROOT, "recipes"))
+    namespace = {"__name__": "my_agent"}
+    exec(compile(code, "my_agent.py", "exec"), namespace)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    from arealite.api.config import MultiTurnGRPOConfig
+
+    config = MultiTurnGRPOConfig(gconfig=GenerationConfig(n_samples=1, temperature=0.7))
+    workflow = namespace["build"](config, tok, None)
+    row = {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "answer": "42"}
+    for reply, turns, reward in [("41", 2.0, 0.0), ("It is 42", 1.0, 1.0)]:
+        batch = asyncio.run(workflow.arun_episode(EchoEngine(tok, reply), row))
+        assert batch["turns"].tolist() == [turns] and batch["rewards"].tolist() == [reward]
+        n_reply = len(tok(reply, add_special_tokens=False)["input_ids"]) + 1
+        assert int(batch["loss_mask"].sum()) == turns * n_reply

@@ -269,3 +269,17 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
         episodes = await asyncio.gather(*[self.run_one(engine, data) for _ in range(self.gconfig.n_samples)])
         return episodes_to_batch(list(episodes))
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """One greedy episode per row (from a fresh event loop, e.g. in a recipe). Returns
+        ``{"reward": mean reward, "solved": fraction with reward > 0, "turns": mean calls}``."""
+        greedy = OpenAIAgentWorkflow(self.agent_fn, self.tokenizer, replace(self.gconfig, greedy=True, n_samples=1))
+        try:
+            eps = await asyncio.gather(*[greedy.run_one(engine, r) for r in rows])
+        finally:
+            aclose = getattr(engine, "aclose", None)  # an HTTP session is bound to this event loop
+            if aclose is not None:
+                await aclose()
+        n = max(1, len(eps))
+        return {"reward": sum(e.reward for e in eps) / n, "solved": sum(e.reward > 0 for e in eps) / n,
+                "turns": sum(e.turns for e in eps) / n}
