@@ -8,7 +8,8 @@ a short message meant for the model. Only a broken *host* setup raises (no Pytho
 Mechanisms (all well-kept OS tools; no own seccomp or ptrace code):
 
 * Process: ``sys.executable -I main.py`` (isolated mode: ignores ``PYTHON*`` variables and the
-  user site) in a new session, with a scrubbed environment (``PATH``, ``LANG``, ``HOME`` only).
+  user site) in a new session, with a scrubbed environment (``PATH``, ``LANG``, ``HOME`` and 1-thread
+  settings for OpenMP/BLAS only).
 * Limits via util-linux ``prlimit``: RLIMIT_CPU (CPU seconds), RLIMIT_AS (address space, so a
   memory bomb gets ``MemoryError``), RLIMIT_NPROC (processes of the sandbox uid), RLIMIT_FSIZE
   (largest file), RLIMIT_NOFILE, RLIMIT_CORE = 0; a wall-clock deadline enforced by the parent,
@@ -30,10 +31,11 @@ on the project machines) adds Linux namespaces through util-linux ``unshare``:
   and RLIMIT_NPROC counts only this call's processes (root would bypass RLIMIT_NPROC).
 
 ``mode="rlimit"`` (fallback elsewhere) keeps the limits and adds a ``sys.addaudithook`` prelude
-that refuses sockets, file writes outside the work dir, other processes' ``/proc`` entries and — when running as root, where
-RLIMIT_NPROC is not enforced — process creation and ctypes. Audit hooks are a guard rail, not a security boundary (PEP 578): in this
-mode the guarantees against deliberately malicious code are weaker (e.g. code that reaches
-``os.open`` through an already-loaded C extension is not seen by the hook).
+that refuses sockets, file writes outside the work dir, other processes' ``/proc`` entries and —
+when running as root, where RLIMIT_NPROC is not enforced — process creation (also ctypes symbols
+such as ``fork``). Audit hooks are a guard rail, not a security boundary (PEP 578): in this mode
+the guarantees against deliberately malicious code are weaker (e.g. a C extension calling
+``open``/``fork`` directly is not seen by the hook).
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ _AUDIT_PRELUDE = textwrap.dedent("""\
                       _wflags=_o.O_WRONLY | _o.O_RDWR | _o.O_CREAT):
         if event.startswith("socket.") or (_block_proc and (event in (
                 "os.fork", "os.forkpty", "os.system", "os.posix_spawn", "os.exec", "os.spawn",
-                "subprocess.Popen", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata"))):
+                "subprocess.Popen", "pty.spawn"))):
             raise PermissionError(f"sandbox: {{event}} is not allowed")
+        if event == "ctypes.dlsym" and _block_proc and str(args[1]).strip("b'").startswith((
+                "fork", "vfork", "clone", "system", "exec", "posix_spawn", "socket", "connect", "unshare",
+                "setuid", "setsid", "kill", "open", "creat", "unlink", "rename", "mkdir", "syscall")):
+            raise PermissionError(f"sandbox: ctypes access to {{args[1]!r}} is not allowed")
         if event == "open" and isinstance(args[0], str) and _real(args[0]).startswith("/proc/") and not (
                 args[0].startswith("/proc/self/")):
             raise PermissionError(f"sandbox: reading other processes' /proc entries is not allowed: {{args[0]!r}}")
@@ -129,7 +135,12 @@ def namespace_available() -> bool:
     return r.returncode == 0
 
 
-def _resolve_mode(config: SandboxConfig) -> str:
+def resolve_mode(config: SandboxConfig) -> str:
+    """The isolation mode ``config.mode`` resolves to here ("namespace" | "rlimit").
+
+    Raises:
+        RuntimeError: mode "namespace" was asked for but is not available.
+    """
     if config.mode == "auto":
         return "namespace" if namespace_available() else "rlimit"
     if config.mode == "namespace" and not namespace_available():
@@ -185,7 +196,7 @@ async def arun_python(code: str, config: SandboxConfig | None = None) -> Sandbox
     """
     config = config or SandboxConfig()
     config.validate()
-    mode = _resolve_mode(config)
+    mode = resolve_mode(config)
     uid = config.uid_base + (os.getpid() * 64 + next(_CALLS)) % 50000
     workdir = tempfile.mkdtemp(prefix="arealite_sbx_")
     start = time.monotonic()
@@ -197,7 +208,9 @@ async def arun_python(code: str, config: SandboxConfig | None = None) -> Sandbox
             os.chown(workdir, uid, uid)
         with open(os.path.join(workdir, "main.py"), "w") as f:
             f.write(code)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp" if mode == "namespace" else workdir}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp" if mode == "namespace" else workdir,
+               # one BLAS/OpenMP thread: threads count against RLIMIT_NPROC (numpy would start one per core)
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         proc = await asyncio.create_subprocess_exec(
             *_command(config, mode, workdir, uid), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True)

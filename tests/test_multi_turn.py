@@ -117,6 +117,11 @@ def test_bad_turn_settings_name_the_field(tok):
         MultiTurnMathWorkflow(GenerationConfig(), tok, turn_discount=0.0)
 
 
+def test_bad_sandbox_setting_names_the_field(tok):
+    with pytest.raises(ValueError, match="sandbox.max_output_bytes"):
+        ToolAgentMathWorkflow(GenerationConfig(), tok, sandbox=SandboxConfig(max_output_bytes=0))
+
+
 def test_code_block_extraction_and_truncation(tok):
     text = "Let me compute.\n```python\nprint(6 * 7)\n```\nThe answer is"
     assert extract_code(text) == "print(6 * 7)\n"

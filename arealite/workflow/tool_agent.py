@@ -17,6 +17,7 @@ they never reach the trainer.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -24,8 +25,10 @@ from arealite.api.config import GenerationConfig
 from arealite.api.env import Environment, StepResult
 from arealite.reward.math import math_reward
 from arealite.reward.worker import RewardWorker
-from arealite.sandbox import SandboxConfig, arun_python
+from arealite.sandbox import SandboxConfig, arun_python, resolve_mode
 from arealite.workflow.multi_turn import MultiTurnWorkflow
+
+logger = logging.getLogger("arealite.tool_agent")
 
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -111,6 +114,8 @@ class ToolAgentMathWorkflow(MultiTurnWorkflow):
                  reward_timeout: float = 10.0, dump_dir: str | None = None):
         sandbox = sandbox or SandboxConfig()
         sandbox.validate()  # a bad sandbox.* field fails here, before any rollout
+        self.sandbox_mode = resolve_mode(sandbox)  # "namespace" | "rlimit"; raises if unavailable
+        logger.info("tool agent: sandbox mode %s", self.sandbox_mode)
         super().__init__(lambda data: PythonToolMathEnv(self.reward_worker, sandbox, tool_role), gconfig, tokenizer,
                          max_turns, turn_discount, max_context_tokens, truncate_fn=truncate_after_code,
                          dump_dir=dump_dir)
