@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO_ROOT
 
 SMALL = ["--total_train_steps", "2", "--gconfig.n_samples", "2", "--gconfig.max_new_tokens", "8",
-         "--rollout.consumer_batch_size", "4", "--train_dataset.batch_size", "4", "--valid_dataset.size", "2"]
+         "--rollout.consumer_batch_size", "4", "--train_dataset.batch_size", "4", "--valid_dataset.size", "2",
+         "--evaluator.at_start", "False"]
 
 
 def _torchrun(recipe, args, cwd, timeout=600):
