@@ -65,7 +65,8 @@ def make_model_dir(args, path):
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))  # the engine saves a tokenizer
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
     n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
     return n
 
@@ -138,6 +139,10 @@ def race(contenders: dict, steps: int) -> tuple[dict, dict]:
     return {k: min(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in times.items()}
 
 
+def report(name: str, tokens: int, best: float, median: float) -> None:
+    print(f"  {name:<19}: {tokens / best:9.1f} tokens/s ({best:.2f} s/step; median {median:.2f})")
+
+
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -169,9 +174,10 @@ def main():
     t, med = race({"plain": plain_step(model, opt, full, device, args.bf16), "engine": engine_step(engine, full)},
                   args.steps)
     print(f"[equal lengths, {args.batch}×{args.seq_len} = {tokens} tokens/step]")
-    print(f"  plain PyTorch loop : {tokens / t['plain']:9.1f} tokens/s ({t['plain']:.2f} s/step; median {med['plain']:.2f})")
-    print(f"  FSDPEngine         : {tokens / t['engine']:9.1f} tokens/s ({t['engine']:.2f} s/step; median {med['engine']:.2f})")
-    print(f"  engine / plain     : {t['plain'] / t['engine']:.3f}×  (medians {med['plain'] / med['engine']:.3f}×; goal ≥ 0.97×)")
+    report("plain PyTorch loop", tokens, t["plain"], med["plain"])
+    report("FSDPEngine", tokens, t["engine"], med["engine"])
+    print(f"  engine / plain     : {t['plain'] / t['engine']:.3f}×  "
+          f"(medians {med['plain'] / med['engine']:.3f}×; goal ≥ 0.97×)")
     if device.type == "cuda":
         flops = 6 * n_params * tokens / t["engine"]
         peak = 989e12 if args.bf16 else 67e12  # H100/H200 dense bf16 / fp32 (non-tensor-core) peak
@@ -189,8 +195,8 @@ def main():
     padded = new_engine(packing=False)
     t, med = race({"packed": engine_step(engine, var), "padded": engine_step(padded, var)}, args.steps)
     print(f"[variable lengths {min(lengths)}..{max(lengths)}, {real} real tokens, padding fraction {pad_frac:.2f}]")
-    print(f"  packed             : {real / t['packed']:9.1f} tokens/s ({t['packed']:.2f} s/step; median {med['packed']:.2f})")
-    print(f"  padded             : {real / t['padded']:9.1f} tokens/s ({t['padded']:.2f} s/step; median {med['padded']:.2f})")
+    report("packed", real, t["packed"], med["packed"])
+    report("padded", real, t["padded"], med["padded"])
     print(f"  packed / padded    : {t['padded'] / t['packed']:.3f}×  (medians {med['padded'] / med['packed']:.3f}×; "
           f"padding-free ideal {1 / (1 - pad_frac):.3f}×)")
     engine.destroy()

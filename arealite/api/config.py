@@ -86,7 +86,7 @@ class TrainEngineConfig:
     num_threads: int = 0  # torch intra-op threads per trainer rank (0 = cores left by servers)
     mixed_precision: Literal["none", "bf16"] = "none"  # bf16: bf16 compute, fp32 grad reduce (GPU)
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params/grads/optimizer on CPU
-    attn_implementation: str = "sdpa"  # HF attention: sdpa | eager | flash_attention_2 (GPU)
+    attn_implementation: str = "auto"  # HF attention; auto = flash_attention_2 on GPU with bf16 if installed, else sdpa
 
 
 @dataclass

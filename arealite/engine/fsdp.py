@@ -124,6 +124,20 @@ def _check_config(config: TrainEngineConfig) -> None:
         raise ValueError("mixed_precision='bf16' needs a GPU; use mixed_precision='none' on CPU")
 
 
+def resolve_attn_implementation(config: TrainEngineConfig) -> str:
+    """``attn_implementation="auto"``: flash-attention 2 (packed rows become varlen ``cu_seqlens``
+    calls) on CUDA with bf16 compute when the ``flash_attn`` package is installed, else sdpa
+    (packed rows get a block-diagonal causal mask)."""
+    import importlib.util
+
+    if config.attn_implementation != "auto":
+        return config.attn_implementation
+    half = config.mixed_precision == "bf16" or config.dtype == "bfloat16"
+    if torch.cuda.is_available() and half and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 class FSDPEngine(TrainEngine):
     """A causal LM sharded with FSDP2 over all ranks of the default process group.
 
@@ -157,7 +171,7 @@ class FSDPEngine(TrainEngine):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                    attn_implementation=self.config.attn_implementation)
+                                                    attn_implementation=self._attn_implementation())
 
     def initialize(self, model_path: str, total_steps: int = 1) -> None:
         """Load ``model_path``, shard it, build AdamW and the LR schedule over ``total_steps``."""
@@ -206,6 +220,9 @@ class FSDPEngine(TrainEngine):
         )
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_multiplier(oc, step, total_steps))
+
+    def _attn_implementation(self) -> str:
+        return resolve_attn_implementation(self.config)
 
     # -- micro-batching --------------------------------------------------------------------------
     def _microbatches(self, batch: Batch) -> list[tuple[Batch, bool]]:
@@ -424,7 +441,7 @@ class FSDPCriticEngine(FSDPEngine):
         hf_logging.set_verbosity_error()  # the load report would list the new score head as MISSING
         try:
             model = AutoModelForTokenClassification.from_pretrained(
-                model_path, config=hf_config, dtype=dtype, attn_implementation=self.config.attn_implementation)
+                model_path, config=hf_config, dtype=dtype, attn_implementation=self._attn_implementation())
         except ValueError as e:
             raise ValueError(
                 f"critic: transformers has no AutoModelForTokenClassification for model_type "
