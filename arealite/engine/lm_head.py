@@ -5,7 +5,8 @@ the fp32 logits of all tokens at once.
 is 9.6 GB in float32 — more than the rest of a 0.5B model's training state. Here the logits are
 built ``chunk_size`` rows at a time, reduced to a logprob and an entropy per row, and freed; the
 backward recomputes each chunk's logits (one extra [c, H] × [H, V] matmul per chunk) and
-accumulates the gradients of ``hidden`` and ``weight``. The largest float buffer of the head is
+accumulates the gradients of ``hidden`` and ``weight``; when all rows fit in one chunk, the
+probabilities are kept from the forward instead (no recompute). The largest float buffer of the head is
 [chunk_size, V] in forward and in backward.
 
 Formulas (z = logits / T, p = softmax(z), T = temperature, 0 and 1 meaning no scaling — the
@@ -43,6 +44,10 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        # One chunk only: keep its probabilities for backward instead of recomputing them
+        # (still one [c, V] buffer; saves the recompute matmul).
+        keep_probs = n <= chunk_size and any(ctx.needs_input_grad[:3])
+        ctx.probs = None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
@@ -50,9 +55,12 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             logprobs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
             lse_all[s:e] = lse
             logp = z.sub_(lse[:, None])  # log p, in z's buffer [c, V]
+            p = torch.exp(logp)  # [c, V]
             # −Σ p log p (not lse − Σ p z, which cancels catastrophically at low entropy)
-            entropy[s:e] = -torch.exp(logp).mul_(logp).sum(-1)
-            del z, logp
+            entropy[s:e] = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)
+            if keep_probs:
+                ctx.probs = p
+            del z, logp, p
         ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
         ctx.temperature, ctx.chunk_size = t, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -70,9 +78,13 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         g_lp = grad_logprobs.float()
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
-            # g_logits = g_lp · (onehot(y) − p) / T, built in place in z's buffer
-            g = z.sub_(lse_all[s:e, None]).exp_().mul_(-g_lp[s:e, None])  # −g·p
+            if ctx.probs is not None:  # single chunk, probabilities kept from forward
+                g = ctx.probs * -g_lp[:, None]  # −g·p [N, V]
+            else:
+                z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
+                # g_logits = g_lp · (onehot(y) − p) / T, built in place in z's buffer
+                g = z.sub_(lse_all[s:e, None]).exp_().mul_(-g_lp[s:e, None])  # −g·p
+                del z
             g.scatter_add_(-1, labels[s:e, None], g_lp[s:e, None])
             if t != 1.0:
                 g.div_(t)
@@ -82,7 +94,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hidden[s:e].float())
             if need_b:
                 grad_b += g.sum(0)
-            del z, g
+            del g
+        ctx.probs = None
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None
