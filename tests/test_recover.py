@@ -71,6 +71,7 @@ def test_epoch_loader_resumes_at_every_position_including_epoch_boundaries():
         state = pickle.loads(pickle.dumps(a.state_dict()))
         b = EpochLoader(_loader(rows, 3))  # a fresh process: new objects
         b.load_state_dict(state)
+        assert b.state_dict() == state  # saving again before reading keeps the position
         assert head + [b.next() for _ in range(12 - k)] == expected, k
 
 

@@ -58,6 +58,8 @@ _STEP_DIR = re.compile(r"step(\d+)")
 
 
 class Stateful(Protocol):
+    """Anything saved per rank in a recover checkpoint (a dataloader position, the executor)."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -84,7 +86,7 @@ class EpochLoader:
         self.dataloader = dataloader
         self.epoch = 0  # the epoch being read (or the next one when between passes)
         self._iter = None
-        self._mid_epoch = False  # a restored position: the next iter() resumes inside an epoch
+        self._restored: dict | None = None  # a loaded position not read from yet (next iter() resumes it)
 
     def next(self) -> Any:
         """The next batch. Raises ``ValueError`` if a whole pass yields nothing (empty dataset)."""
@@ -99,8 +101,7 @@ class EpochLoader:
                 # a forked RNG: the training's random numbers must not depend on it.
                 with torch.random.fork_rng(devices=[]):
                     self._iter = iter(self.dataloader)
-                fresh = not self._mid_epoch
-                self._mid_epoch = False
+                fresh, self._restored = self._restored is None, None
             try:
                 return next(self._iter)
             except StopIteration:
@@ -113,13 +114,14 @@ class EpochLoader:
         if not hasattr(self.dataloader, "state_dict"):
             raise TypeError(f"{type(self.dataloader).__name__} has no state_dict(); use a torchdata "
                             "StatefulDataLoader to save the data position in recover checkpoints")
-        return {"epoch": self.epoch, "dataloader": self.dataloader.state_dict() if self._iter is not None else None}
+        position = self.dataloader.state_dict() if self._iter is not None else self._restored
+        return {"epoch": self.epoch, "dataloader": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self._iter = int(state["epoch"]), None
-        self._mid_epoch = state["dataloader"] is not None  # (possibly at its very end)
-        if self._mid_epoch:
-            self.dataloader.load_state_dict(state["dataloader"])  # applied by the next iter()
+        self._restored = state["dataloader"]  # inside epoch ``e`` (possibly at its very end) or None
+        if self._restored is not None:
+            self.dataloader.load_state_dict(self._restored)  # applied by the next iter()
 
 
 # -- RNG ------------------------------------------------------------------------------------------
