@@ -143,3 +143,18 @@ def test_saved_hf_checkpoint_generates_the_engines_greedy_tokens(tiny_model_dir,
     out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12,
                       min_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert out.tolist() == ids.tolist()
+
+
+def test_first_fit_decreasing_packing_and_layout_by_hand():
+    from arealite.engine.fsdp import pack_sequences, packed_layout
+
+    lengths = [13, 5, 9, 2, 1, 0]
+    bins = pack_sequences(lengths, capacity=13)
+    assert bins == [[0], [2, 3, 4], [1]]  # 13 | 9+2+1 | 5 (5 no longer fits after 9)
+    assert pack_sequences(lengths, capacity=30) == [[0, 1, 2, 3, 4]]
+    ids = torch.arange(1, 31)  # sequences back to back: [1..13], [14..18], [19..27], [28, 29], [30]
+    input_ids, position_ids, where = packed_layout(ids, lengths, bins)
+    assert input_ids.tolist() == [list(range(1, 14)), list(range(19, 28)) + [28, 29, 30, 0],
+                                  list(range(14, 19)) + [0] * 8]
+    assert position_ids.tolist() == [list(range(13)), list(range(9)) + [0, 1, 0, 0], list(range(5)) + [0] * 8]
+    assert torch.equal(input_ids.flatten()[where], ids)  # every real token found where it went

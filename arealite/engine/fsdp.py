@@ -10,12 +10,13 @@
 * Micro-batches: rows are split into the same number of micro-batches on every rank (FSDP
   forward/backward are collectives), enough that each holds at most ``mb_spec.max_tokens_per_mb``
   real tokens if balanced, balanced by token count (longest-first greedy).
-* Packing (``mb_spec.packing``, default on): a micro-batch runs as ONE row of concatenated
-  sequences with ``position_ids`` restarting at 0 per sequence and no attention mask;
-  transformers then builds a block-diagonal causal mask (sdpa/eager,
-  ``masking_utils.find_packed_sequence_indices``) or varlen ``cu_seqlens`` (flash-attention), so
-  no compute is spent on padding. ``packing=False`` runs the padded [b, T] rows instead. Either
-  way ``loss_fn`` sees the padded [b, T] layout.
+* Packing (``mb_spec.packing``, default on): a micro-batch's sequences are concatenated into
+  rows with ``position_ids`` restarting at 0 per sequence and no attention mask; transformers
+  then builds varlen ``cu_seqlens`` (flash-attention: ONE row) or a block-diagonal causal mask
+  (sdpa/eager, ``masking_utils.find_packed_sequence_indices``: rows of at most the longest
+  sequence, first-fit decreasing, as a dense mask costs (row length)² attention per row).
+  ``packing=False`` runs the padded [b, T] rows instead. Either way ``loss_fn`` sees the padded
+  [b, T] layout.
 * Loss scaling: ``Σ_mb loss_mb · w_mb / Σ_{all ranks, all mb} w_mb`` — identical to the loss of
   the global batch however it is split (FSDP2 averages gradients over ranks, so the local
   loss is multiplied by the world size before backward).
@@ -86,6 +87,55 @@ def split_microbatches(lengths: list[int], n_mbs: int) -> list[list[int]]:
         groups[g].append(i)
         load[g] += lengths[i]
     return [sorted(g) for g in groups]
+
+
+def pack_sequences(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing of sequences into rows of ``capacity`` tokens.
+
+    Returns bins of sequence indices (each in ascending order); a sequence longer than
+    ``capacity`` gets a row of its own. Zero-length sequences are left out.
+    """
+    bins: list[list[int]] = []
+    fill: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] == 0:
+            continue
+        for r in range(len(bins)):
+            if fill[r] + lengths[i] <= capacity:
+                bins[r].append(i)
+                fill[r] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            fill.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def packed_layout(ids: torch.Tensor, lengths: list[int], bins: list[list[int]]):
+    """Lay the concatenated sequences ``ids`` [N] (sequence after sequence, ``lengths``) out as
+    packed rows, one per bin.
+
+    Returns ``(input_ids [R, C], position_ids [R, C], where [N])``: position ids restart at 0
+    per sequence; the tail of a short row is filler with position id 0 (each filler token is a
+    sequence of its own, so it is never attended to); ``where[j]`` is the flattened [R·C]
+    position of real token j.
+    """
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    C = max(sum(lengths[i] for i in b) for b in bins)
+    input_ids = ids.new_zeros(len(bins), C)
+    position_ids = torch.zeros(len(bins), C, dtype=torch.long, device=ids.device)
+    where = torch.empty(ids.shape[0], dtype=torch.long, device=ids.device)
+    for r, b in enumerate(bins):
+        c = 0
+        for i in b:
+            n, o = lengths[i], starts[i]
+            input_ids[r, c:c + n] = ids[o:o + n]
+            position_ids[r, c:c + n] = torch.arange(n, device=ids.device)
+            where[o:o + n] = torch.arange(r * C + c, r * C + c + n, device=ids.device)
+            c += n
+    return input_ids, position_ids, where
 
 
 def lr_multiplier(oc: OptimizerConfig, step: int, total_steps: int) -> float:
@@ -256,17 +306,17 @@ class FSDPEngine(TrainEngine):
         return chunked_logprobs_entropy(hidden, head.weight, labels, self.temperature,
                                         self.config.mb_spec.logits_chunk_size, bias=head.bias)
 
-    def _root_forward(self, input_ids, position_ids, valid, src, labels):
-        """Backbone → :meth:`_head` at flat positions ``src`` (registered as an FSDP forward).
+    def _root_forward(self, input_ids, position_ids, attention_mask, index, labels):
+        """Backbone → :meth:`_head` at the positions ``index`` (registered as an FSDP forward).
 
-        ``input_ids``/``position_ids``: [1, N] packed or [b, T] padded; ``valid`` [b, T] bool
-        for the padded layout (None when packed); ``src`` [n] indices into the N real tokens.
+        ``input_ids``/``position_ids`` [R, C] (packed rows, ``attention_mask`` None: transformers
+        derives a block-diagonal mask or varlen ``cu_seqlens`` from the restarting position ids)
+        or [b, T] (padded rows with their ``attention_mask``); ``index`` [n] indexes the flattened
+        [R·C] positions whose hidden states feed the head; labels [n] their next tokens.
         """
-        attention_mask = None if valid is None else valid.long()  # None + packed position_ids → block mask
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                        position_ids=position_ids, use_cache=False).last_hidden_state
-        hidden = hidden[0] if valid is None else hidden[valid]  # [N, H]
-        return self._head(hidden[src], labels)
+        return self._head(hidden.reshape(-1, hidden.shape[-1])[index], labels)  # hidden [n, H]
 
     def _forward_mb(self, mb: Batch) -> torch.Tensor:
         """Token-aligned outputs [b, T] float32 of one micro-batch (logprobs for the actor,
@@ -285,10 +335,17 @@ class FSDPEngine(TrainEngine):
         src = need.nonzero().squeeze(-1)  # [n] positions whose next token gets an output
         labels = ids[src + 1]
         if self.config.mb_spec.packing:
-            out, extra = self.model.arealite_forward(ids[None], pos[None], None, src, labels)
+            # flash-attention: one row (varlen); sdpa/eager: rows of at most the longest sequence,
+            # as their block-diagonal mask costs (row length)² per row
+            one_row = "flash" in self.model.config._attn_implementation
+            lengths = valid.sum(1).tolist()
+            bins = pack_sequences(lengths, sum(lengths) if one_row else max(lengths))
+            ids_p, pos_p, where = packed_layout(ids, lengths, bins)
+            out, extra = self.model.arealite_forward(ids_p, pos_p, None, where[src], labels)
         else:
+            flat = valid.flatten().nonzero().squeeze(-1)  # [N] positions of real tokens in [b·T]
             out, extra = self.model.arealite_forward(mb["input_ids"], (valid.long().cumsum(1) - 1).clamp(min=0),
-                                                     valid, src, labels)
+                                                     valid.long(), flat[src], labels)
 
         def to_padded(x):  # [n] at flat positions src + 1 → [b, T]
             flat = x.new_zeros(N).index_copy(0, src + 1, x)
