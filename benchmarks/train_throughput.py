@@ -42,6 +42,7 @@ from arealite.engine.fsdp import FSDPEngine  # noqa: E402
 
 TEMPERATURE = 0.7
 CLOCK = time.perf_counter  # set in main()
+PROMPT_FRAC = 0.125  # set in main()
 
 
 def parse_args():
@@ -57,6 +58,8 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row (the longest row)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per contender (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt-frac", type=float, default=0.125,
+                   help="leading fraction of each row without loss (the engine skips the LM head there)")
     p.add_argument("--clock", choices=["cpu", "wall"], default=None,
                    help="cpu = process CPU time (default on CPU), wall = wall time (default on GPU)")
     p.add_argument("--bf16", action="store_true", help="GPU: bf16 compute (engine mixed_precision='bf16')")
@@ -88,7 +91,7 @@ def make_batch(args, lengths):
     for i, n in enumerate(lengths):
         am[i, :n] = True
     lm = am.int()
-    lm[:, : T // 8] = 0  # a short "prompt"
+    lm[:, : int(T * PROMPT_FRAC)] = 0  # the "prompt": no loss there
     adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
     return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm, "advantages": adv}
 
@@ -156,7 +159,8 @@ def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    global CLOCK
+    global CLOCK, PROMPT_FRAC
+    PROMPT_FRAC = args.prompt_frac
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
     CLOCK = time.process_time if clock == "cpu" else time.perf_counter
     tmp = tempfile.mkdtemp(prefix="arealite_bench_")
