@@ -133,3 +133,25 @@ def test_pause_resume_endpoints_per_backend(monkeypatch):
         if backend == "sglang":
             engine.update_weights(WeightUpdateMeta(type="disk", path="/w", version=1))
         assert sorted(calls) == sorted((a, e) for e in expected for a in ("h:1", "h:2"))
+
+
+def test_server_missing_a_control_call_is_excluded(monkeypatch):
+    """A server that misses a pause/weight update never gets requests again (it would serve stale
+    weights); the call fails only when every server fails."""
+    from arealite.engine.remote import ServerError
+
+    down = {"h:2"}
+
+    def fake_post(addr, endpoint, payload=None, *a, **k):
+        if addr in down:
+            raise ServerError(f"http://{addr}{endpoint}: no answer after 3 attempts")
+        return {"success": True}
+
+    monkeypatch.setattr("arealite.engine.remote.post_json", fake_post)
+    engine = RemoteInferenceEngine(InferenceEngineConfig(), ["h:1", "h:2"])
+    engine.pause_generation()
+    assert engine.live_addresses() == ["h:1"] and engine._choose_server("new") == "h:1"
+    engine.update_weights(WeightUpdateMeta(type="disk", path="/w", version=1))  # h:2 is not asked again
+    down.add("h:1")
+    with pytest.raises(ServerError, match="h:1"):
+        engine.continue_generation()

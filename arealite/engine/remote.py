@@ -237,6 +237,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self.executor = WorkflowExecutor(config, self, world_size)
         self._outstanding = {a: 0 for a in self.addresses}
         self._dead_until = {a: 0.0 for a in self.addresses}  # monotonic time; 0 = alive
+        self._excluded: set[str] = set()  # missed a control call (e.g. a weight update): never used again
         self._rid_to_addr: OrderedDict[str, str] = OrderedDict()
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
@@ -249,9 +250,10 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # -- server choice -----------------------------------------------------------------------
     def live_addresses(self) -> list[str]:
-        """Servers not marked dead (a dead mark expires after ``DEAD_SERVER_COOLDOWN`` s)."""
+        """Servers not marked dead (a dead mark expires after ``DEAD_SERVER_COOLDOWN`` s) and not
+        excluded (a server that missed a pause or weight update would serve stale weights)."""
         now = time.monotonic()
-        return [a for a in self.addresses if self._dead_until[a] <= now]
+        return [a for a in self.addresses if self._dead_until[a] <= now and a not in self._excluded]
 
     def mark_dead(self, addr: str) -> None:
         """Send no new requests to ``addr`` for ``DEAD_SERVER_COOLDOWN`` seconds."""
@@ -266,7 +268,8 @@ class RemoteInferenceEngine(InferenceEngine):
             return self._rid_to_addr[rid]
         # Least outstanding requests among live servers; if all are dead, the one whose mark
         # expires first (it may have come back).
-        pool = live or [min(self.addresses, key=lambda a: self._dead_until[a])]
+        usable = [a for a in self.addresses if a not in self._excluded] or self.addresses
+        pool = live or [min(usable, key=lambda a: self._dead_until[a])]
         addr = min(pool, key=lambda a: self._outstanding[a])
         self._rid_to_addr[rid] = addr
         self._rid_to_addr.move_to_end(rid)
@@ -376,12 +379,35 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # -- weight updates (called by trainer rank 0) --------------------------------------------------
     def _all_servers(self, endpoint: str, payload: dict | None = None, method: str = "POST") -> list[dict]:
-        """The same request to every live server, concurrently (servers marked dead are skipped)."""
-        addrs = self.live_addresses() or self.addresses
+        """The same request to every server not excluded yet, concurrently.
+
+        A server that does not answer (after retries) is excluded for good, with an error in
+        the log, so that it never serves stale weights; the call fails only if every server
+        fails. A 4xx answer (a bad request) raises at once.
+
+        Raises:
+            ServerError: every server failed, or one answered 4xx.
+        """
+        addrs = [a for a in self.addresses if a not in self._excluded]
+        if not addrs:
+            raise ServerError(f"{endpoint}: every server was excluded after failing a control call; see the log")
         with ThreadPoolExecutor(len(addrs)) as pool:
             futures = [pool.submit(post_json, a, endpoint, payload, self.config.request_timeout,
                                    self.config.request_retries, method) for a in addrs]
-            return [f.result() for f in futures]
+            replies, errors = [], []
+            for a, f in zip(addrs, futures):
+                try:
+                    replies.append(f.result())
+                except ServerError as e:
+                    if " answered 4" in str(e):
+                        raise
+                    errors.append((a, e))
+        if len(errors) == len(addrs):
+            raise errors[0][1]
+        for a, e in errors:
+            logger.error("server %s failed %s and is excluded from now on: %s", a, endpoint, e)
+            self._excluded.add(a)
+        return replies
 
     def pause_generation(self) -> None:
         """Servers abort in-flight requests (partial outputs return) and hold new ones."""
