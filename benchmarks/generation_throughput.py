@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig  # noqa: E402
 from arealite.api.io_struct import WeightUpdateMeta  # noqa: E402
-from arealite.engine.remote import RemoteInferenceEngine, post_json, wait_healthy  # noqa: E402
+from arealite.engine.remote import RemoteInferenceEngine, wait_healthy  # noqa: E402
 
 
 def random_qwen(path: str) -> str:

@@ -6,7 +6,6 @@ and greedy generation must equal HF greedy on model B.
 """
 
 import hashlib
-import os
 
 import pytest
 import torch

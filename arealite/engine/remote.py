@@ -35,7 +35,6 @@ import urllib.error
 import urllib.request
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import aiohttp
 
