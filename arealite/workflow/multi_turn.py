@@ -174,6 +174,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         env = self.env_factory(data)
         ep = Episode()
         gconfig = replace(self.gconfig, n_samples=1)
+        rid = rid or uuid.uuid4().hex  # every turn on the same server (prefix reuse)
         try:
             ep.append(tokenize_chat(self.tokenizer, await env.areset(data)), sampled=False)
             step = StepResult()
@@ -181,8 +182,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 if len(ep.input_ids) + gconfig.max_new_tokens > self.max_context_tokens:
                     break
                 ep.requests.append(list(ep.input_ids))
-                resp = await engine.agenerate(ModelRequest(input_ids=list(ep.input_ids), gconfig=gconfig,
-                                                           rid=rid or uuid.uuid4().hex))
+                resp = await engine.agenerate(ModelRequest(input_ids=list(ep.input_ids), gconfig=gconfig, rid=rid))
                 out = resp.output_tokens
                 keep = len(out) if self.truncate_fn is None else self.truncate_fn(self.tokenizer, out)
                 ep.append(out[:keep], True, resp.output_logprobs[:keep], resp.output_versions[:keep])
