@@ -16,7 +16,7 @@ Part 2 -- latency of one weight update of the whole model, trainer (``FSDPEngine
 one server: ``disk`` (save an HF folder + ``/update_weights_from_disk``) and ``distributed``
 (bucketed gloo/NCCL broadcast, first call includes creating the group).
 
-    python benchmarks/generation_throughput.py                    # SmolLM2-135M on CPU, ~3-4 min
+    python benchmarks/generation_throughput.py                    # SmolLM2-135M on CPU, ~3.5 min
     python benchmarks/generation_throughput.py --model random-qwen2.5-0.5b --device cuda --dtype bfloat16 \\
         --requests 64 --output-len 64 512
 """
@@ -173,10 +173,10 @@ def weight_update_latency(args, model_path, addr) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="HF folder; '' = SmolLM2-135M-Instruct; 'random-qwen2.5-0.5b'")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 256])
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128])
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the server and for HF")
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 128])
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 96])
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the server and for HF")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 1024.0])
