@@ -158,3 +158,19 @@ def test_first_fit_decreasing_packing_and_layout_by_hand():
                                   list(range(14, 19)) + [0] * 8]
     assert position_ids.tolist() == [list(range(13)), list(range(9)) + [0, 1, 0, 0], list(range(5)) + [0] * 8]
     assert torch.equal(input_ids.flatten()[where], ids)  # every real token found where it went
+
+
+def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
+    from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+    from arealite.engine.fsdp import FSDPEngine
+
+    stats = []
+    for ckpt in (False, True):
+        engine = FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-3), gradient_checkpointing=ckpt,
+                                              mb_spec=MicroBatchSpec(max_tokens_per_mb=8, logits_chunk_size=5)),
+                            temperature=0.7)
+        engine.initialize(tiny_model_dir)
+        stats.append(engine.train_batch(_batch(), _token_mean_nll, _n_tokens))
+    assert stats[0]["n_microbatches"] == 3
+    assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-6)
+    assert stats[1]["grad_norm"] == pytest.approx(stats[0]["grad_norm"], rel=1e-5)

@@ -233,8 +233,8 @@ class FSDPEngine(TrainEngine):
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)
         model = self._load_model(model_path, getattr(torch, self.config.dtype))
-        if self.config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if self.config.gradient_checkpointing:  # transformers ≥ 5.x renamed the method
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         if not self.config.cpu_offload:
             model.to(self.device)
         kw = {}
