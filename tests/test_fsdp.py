@@ -174,3 +174,20 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
     assert stats[0]["n_microbatches"] == 3
     assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-6)
     assert stats[1]["grad_norm"] == pytest.approx(stats[0]["grad_norm"], rel=1e-5)
+
+
+def test_micro_batch_without_loss_tokens_contributes_exactly_zero(tiny_model_dir):
+    from arealite.api.config import MicroBatchSpec, TrainEngineConfig
+    from arealite.engine.fsdp import FSDPEngine
+
+    batch = _batch()
+    batch["loss_mask"][0] = 0  # the 9-token row ends up alone in a micro-batch: its mean would be 0/0
+    without_row = {k: v[1:] for k, v in batch.items()}
+    stats = []
+    for b, budget in ((batch, 9), (without_row, 10_000)):
+        engine = FSDPEngine(TrainEngineConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=budget)))
+        engine.initialize(tiny_model_dir)
+        stats.append(engine.train_batch(b, _token_mean_nll, _n_tokens))
+    assert stats[0]["n_microbatches"] == 3 and stats[1]["n_microbatches"] == 1 and stats[0]["skipped"] == 0
+    assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], rel=1e-6)
+    assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-5)

@@ -364,8 +364,10 @@ class FSDPEngine(TrainEngine):
     ) -> dict[str, float]:
         """See :meth:`TrainEngine.train_batch`. ``loss_fn(out, mb)`` gets the token-aligned
         logprobs (critic: values) [b, T] float32 and the micro-batch, which also holds
-        ``mb["entropy"]`` [b, T] (actor, detached). A non-finite loss or gradient norm skips the
-        update (parameters, optimizer state and LR schedule untouched) and reports ``skipped = 1``.
+        ``mb["entropy"]`` [b, T] (actor, detached); a micro-batch whose ``loss_weight_fn`` is 0
+        contributes exactly 0 and is not passed to ``loss_fn``. A non-finite loss or gradient
+        norm skips the update (parameters, optimizer state and LR schedule untouched) and
+        reports ``skipped = 1``.
 
         Raises:
             ValueError: the global loss weight is 0 (no loss tokens in the whole batch).
@@ -384,12 +386,15 @@ class FSDPEngine(TrainEngine):
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         n_tokens = 0
         for (mb, dummy), w in zip(mbs, weights):
-            loss = loss_fn(self._forward_mb(mb), mb)
-            scale = w / float(total)
-            # dummy micro-batches still run forward/backward (collectives) but contribute 0.
-            (loss * (scale * self.world_size if not dummy else 0.0)).backward()
-            loss_sum += loss.detach().double() * (scale if not dummy else 0.0)
+            out = self._forward_mb(mb)
             n_tokens += 0 if dummy else int(mb["attention_mask"].sum())
+            if w == 0:  # dummy, or no loss tokens: loss_fn is not called (its mean would be 0/0);
+                (out.sum() * 0.0).backward()  # FSDP still needs the backward collectives
+                continue
+            loss = loss_fn(out, mb)
+            scale = w / float(total)
+            (loss * (scale * self.world_size)).backward()
+            loss_sum += loss.detach().double() * scale
         dist.all_reduce(loss_sum)
         clip = self.config.optimizer.gradient_clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
