@@ -152,3 +152,16 @@ def test_stale_batch_metrics_behaviour_kl_weights_and_entropy():
     assert stats["actor/approx_kl"] == 0.0  # π_θ = π_prox at the first step
     assert stats["actor/approx_kl_behav"] == pytest.approx(-0.5)  # log π_behav - log π_θ = -1 + 0.5
     assert stats["actor/entropy"] == pytest.approx(2.0)
+
+
+def test_update_reports_mean_loss_and_grad_norm_over_minibatches():
+    class _Counting(_FakeActor):
+        def train_batch(self, batch, loss_fn, loss_weight_fn):
+            out = super().train_batch(batch, loss_fn, loss_weight_fn)
+            self.calls = getattr(self, "calls", 0) + 1
+            return {**out, "grad_norm": float(self.calls * 2 - 1), "lr": 1e-5 * self.calls}  # 1, 3
+
+    actor = _Counting()
+    stats = GRPO(GRPOAlgoConfig(n_minibatches=2), actor, group_size=2).update(_batch([1, 2, 1, 1], [1.0, 0.0, 0.0, 1.0]))
+    assert stats["grad_norm"] == 2.0 and stats["lr"] == 2e-5  # mean of 1 and 3; the last lr
+    assert stats["loss"] == pytest.approx(sum(actor.losses) / 2)

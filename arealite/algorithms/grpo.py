@@ -185,17 +185,22 @@ class GRPO(Algorithm):
     def update(self, batch: Batch) -> dict[str, float]:
         """Prepare, then ``n_minibatches`` optimizer steps over whole groups of the batch.
 
-        Returns the engine stats of the last minibatch plus ``actor/<stat>`` from the loss,
-        combined over every micro-batch of every minibatch on this rank (``*_max``: max,
-        ``*_min``: min, others: mean), and advantage statistics over the loss tokens."""
+        Returns the engine stats (``loss`` and ``grad_norm``: mean over the minibatches; ``lr``
+        and counters: the last one's) plus ``actor/<stat>`` from the loss, combined over every
+        micro-batch of every minibatch on this rank (``*_max``: max, ``*_min``: min, others:
+        mean), and advantage statistics over the loss tokens."""
         batch = self.prepare(batch)
         n_groups = batch["rewards"].shape[0] // self.group_size
         splits = torch.arange(n_groups).chunk(self.config.n_minibatches)
-        stats: dict[str, float] = {}
+        per_minibatch: list[dict[str, float]] = []
         self._mb_stats: list[dict[str, float]] = []
         for groups in splits:
             rows = (groups[:, None] * self.group_size + torch.arange(self.group_size)).view(-1)
-            stats = self.train_minibatch({k: v[rows] for k, v in batch.items()})
+            per_minibatch.append(self.train_minibatch({k: v[rows] for k, v in batch.items()}))
+        stats = dict(per_minibatch[-1])
+        for key in stats:
+            if key.rsplit("/", 1)[-1] in ("loss", "grad_norm"):
+                stats[key] = sum(s[key] for s in per_minibatch) / len(per_minibatch)
         stats.update(combine_stats(self._mb_stats))
         adv = batch["advantages"][batch["loss_mask"].bool()]
         if adv.numel():
