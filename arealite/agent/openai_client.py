@@ -37,7 +37,7 @@ from arealite.api.config import GenerationConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest
 from arealite.api.workflow import RolloutWorkflow
-from arealite.workflow.multi_turn import Episode, chat_segment_ids, episodes_to_batch
+from arealite.workflow.multi_turn import Episode, chat_segment_ids, episodes_to_batch, summarize_episodes
 
 logger = logging.getLogger("arealite.agent")
 
@@ -274,12 +274,4 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         """One greedy episode per row (from a fresh event loop, e.g. in a recipe). Returns
         ``{"reward": mean reward, "solved": fraction with reward > 0, "turns": mean calls}``."""
         greedy = OpenAIAgentWorkflow(self.agent_fn, self.tokenizer, replace(self.gconfig, greedy=True, n_samples=1))
-        try:
-            eps = await asyncio.gather(*[greedy.run_one(engine, r) for r in rows])
-        finally:
-            aclose = getattr(engine, "aclose", None)  # an HTTP session is bound to this event loop
-            if aclose is not None:
-                await aclose()
-        n = max(1, len(eps))
-        return {"reward": sum(e.reward for e in eps) / n, "solved": sum(e.reward > 0 for e in eps) / n,
-                "turns": sum(e.turns for e in eps) / n}
+        return await summarize_episodes(greedy.run_one, engine, rows)

@@ -18,7 +18,7 @@ import random
 import torch
 
 from arealite.dataset.math_data import _read_jsonl, load_dataset
-from arealite.dataset.sft_data import check_messages, pad_batch, select, text_field, tokenize_example
+from arealite.dataset.sft_data import SFTCollator, check_messages, pad_batch, select, text_field, tokenize_example
 
 _PREF_HELP = "pass a jsonl whose rows have 'prompt' (or 'messages'), 'chosen' and 'rejected'"
 
@@ -74,7 +74,7 @@ def load_preference_dataset(path: str | None, split: str = "train", size: int | 
     return select(load_preference_jsonl(path), size, seed, path)
 
 
-class PreferenceCollator:
+class PreferenceCollator(SFTCollator):
     """``collate_fn`` for pairs: rows ``[chosen_0, rejected_0, chosen_1, ...]``, each prompt +
     response + EOS cut to ``max_length``; ``input_ids`` [2P, T] int64, ``attention_mask``
     [2P, T] bool, ``loss_mask`` [2P, T] int32 (1 on response tokens only).
@@ -82,12 +82,6 @@ class PreferenceCollator:
     Raises:
         ValueError: ``max_length`` ≤ 0 (names ``train_dataset.max_length``).
     """
-
-    def __init__(self, tokenizer, max_length: int):
-        if max_length <= 0:
-            raise ValueError(f"train_dataset.max_length must be > 0, got {max_length}")
-        self.tokenizer, self.max_length = tokenizer, max_length
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         examples = []

@@ -207,15 +207,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         > 0, "turns": mean model turns}``."""
         greedy = copy.copy(self)
         greedy.gconfig = replace(self.gconfig, greedy=True, n_samples=1)
-        try:
-            eps = await asyncio.gather(*[greedy.run_one(engine, r) for r in rows])
-        finally:
-            aclose = getattr(engine, "aclose", None)  # an HTTP session is bound to this event loop
-            if aclose is not None:
-                await aclose()
-        n = max(1, len(eps))
-        return {"reward": sum(e.reward for e in eps) / n, "solved": sum(e.reward > 0 for e in eps) / n,
-                "turns": sum(e.turns for e in eps) / n}
+        return await summarize_episodes(greedy.run_one, engine, rows)
 
     def _dump(self, data, episodes: list[Episode], start: float) -> None:
         record = {
@@ -270,3 +262,19 @@ class MultiTurnMathWorkflow(MultiTurnWorkflow):
         super().__init__(lambda data: MathFeedbackEnv(self.reward_worker), gconfig, tokenizer, max_turns,
                          turn_discount, max_context_tokens, dump_dir=dump_dir)
         self.reward_worker = RewardWorker(timeout=reward_timeout)
+
+
+async def summarize_episodes(run_one: Callable, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Run ``run_one(engine, row)`` (→ :class:`Episode`) for every row concurrently and
+    summarise: ``{"reward": mean reward, "solved": fraction with reward > 0, "turns": mean
+    model turns}``. Closes the engine's per-event-loop HTTP session afterwards (call it from a
+    fresh event loop, e.g. ``asyncio.run`` in a recipe)."""
+    try:
+        eps = await asyncio.gather(*[run_one(engine, r) for r in rows])
+    finally:
+        aclose = getattr(engine, "aclose", None)  # an HTTP session is bound to this event loop
+        if aclose is not None:
+            await aclose()
+    n = max(1, len(eps))
+    return {"reward": sum(e.reward for e in eps) / n, "solved": sum(e.reward > 0 for e in eps) / n,
+            "turns": sum(e.turns for e in eps) / n}
