@@ -23,6 +23,7 @@ from arealite.api.config import GSPOConfig  # noqa: E402
 
 
 def build_gspo(config: GSPOConfig, actor, ref, model_path: str) -> GSPO:
+    """GSPO on the actor (and optional frozen reference); group size = gconfig.n_samples."""
     return GSPO(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,
                 max_new_tokens=config.gconfig.max_new_tokens)
 

@@ -27,6 +27,7 @@ from arealite.utils.hf import resolve_model_path  # noqa: E402
 
 
 def build_ppo(config: PPOConfig, actor, ref, model_path: str) -> PPO:
+    """Build and load the critic engine (``--critic.*``), then PPO on actor + critic (+ ref)."""
     critic = FSDPCriticEngine(config.critic)  # critic.path "" = the actor's model folder
     critic.initialize(resolve_model_path(config.critic.path) if config.critic.path else model_path,
                       config.total_train_steps)
