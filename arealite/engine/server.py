@@ -16,7 +16,7 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
   ``max_new_tokens``, ``stop_token_ids``, ``stop`` (strings; needs a tokenizer in the model
   folder) and ``ignore_eos``; ``return_logprob`` adds ``meta_info.output_token_logprobs`` as
   ``[[logprob, token_id, null], ...]``.
-- ``GET /health``, ``GET /get_model_info``.
+- ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info`` (scheduler counters).
 - ``POST /pause_generation`` / ``POST /continue_generation`` (abort-on-pause semantics).
 - ``POST /update_weights_from_disk`` (safetensors, applied between decode steps).
 - ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
@@ -24,18 +24,20 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
   GPU), see :mod:`arealite.engine.weight_sync`.
 
 Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA, input logprobs,
-tensor parallelism, sliding-window KV caches (the cache padding/merging below assumes
-full-attention ``DynamicLayer`` caches).
+tensor parallelism, sliding-window attention (refused at start-up), a prefix cache that
+outlives its request (SGLang's radix cache).
 
 Design: the model lives in ONE scheduler thread.  HTTP handlers (aiohttp, event-loop thread)
 put messages on a thread-safe queue and await an asyncio future that the scheduler resolves
-with ``loop.call_soon_threadsafe``.  The scheduler does continuous batching: between decode
-steps it drains its queue, prefills newly arrived requests as a left-padded group and merges
-them into the running batch (the shorter KV cache is left-padded along the sequence dim,
-then both are concatenated along the batch dim).  Finished rows are dropped from the cache,
-and columns that are padding for every remaining row are trimmed away.  Padding is always
-masked out and position ids are ``cumsum(attention_mask) - 1``, so each row computes the
-same thing as if it ran alone (up to float rounding).
+with ``loop.call_soon_threadsafe``.  The scheduler does continuous batching (``Scheduler``):
+between decode steps it drains its queue and admits waiting requests; finished requests leave.
+The KV cache (``SlotKVCache``) is one preallocated row per running request with its tokens
+left-aligned, written in place by an attention function registered in transformers'
+``AttentionInterface`` (``slot_attention``), so the HF model code runs unchanged while the
+server owns the cache: prefill is packed without padding, decode attends over each row's own
+length, nothing is concatenated per step, and requests with the same prompt (the samples of
+a GRPO group) share one prefill.  Position ids are each row's own token positions, so a row
+computes what it would compute alone (up to float rounding).
 """
 
 from __future__ import annotations
@@ -286,6 +288,142 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict) -> int:
     return len(tensors)
 
 
+# ----------------------------------------------------------------------------- KV cache
+
+
+ATTN_IMPLEMENTATION = "arealite_slots"
+
+
+class SlotKVCache:
+    """The server's KV cache: per layer, key and value buffers ``[rows, kv_heads, capacity,
+    head_dim]`` in the model's dtype. Running request ``i`` owns row ``i``; its cached tokens
+    are left-aligned at positions ``[0, kv_len_i)`` (no padding), so a row's own position ids
+    are its column indices. Rows are kept contiguous (``0..n-1``): a finished row is replaced
+    by the last row (one row copy), a new row is appended. Buffers grow by reallocation
+    (rows: powers of two up to ``max_rows``; capacity: x1.5, rounded up to 128 tokens).
+
+    Unlike HF's ``DynamicCache`` nothing is concatenated per step (appending one token is one
+    indexed write per layer) and rows of different lengths need no left padding.
+    """
+
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, device, max_rows: int):
+        self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
+        self.dtype, self.device, self.max_rows = dtype, device, max_rows
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    def ensure(self, rows: int, length: int, live_rows: int, live_len: int) -> None:
+        """Make room for ``rows`` rows of ``length`` tokens, keeping the first ``live_rows``
+        rows' first ``live_len`` tokens."""
+        if rows <= self.rows and length <= self.capacity:
+            return
+        new_rows = max(self.rows, min(self.max_rows, 1 << max(rows - 1, 0).bit_length()))
+        new_rows = max(new_rows, rows)
+        new_cap = self.capacity
+        if length > new_cap:
+            new_cap = -(-max(length, int(new_cap * 1.5)) // 128) * 128
+        shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
+        for buffers in (self.k, self.v):
+            for layer in range(self.n_layers):
+                # zeros, not empty: masked-out slots still enter q.k (NaN garbage would poison it)
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if buffers and live_rows and live_len:
+                    new[:live_rows, :, :live_len] = buffers[layer][:live_rows, :, :live_len]
+                if len(buffers) < self.n_layers:
+                    buffers.append(new)
+                else:
+                    buffers[layer] = new
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached tokens of row ``src`` into row ``dst``."""
+        if length:
+            for buffers in (self.k, self.v):
+                for buf in buffers:
+                    buf[dst, :, :length] = buf[src, :, :length]
+
+    def release(self) -> None:
+        self.k, self.v = [], []
+
+
+class _StepContext:
+    """What the attention function needs for one forward: either a decode step (``rows``
+    query tokens, one per row, at positions ``pos``) or a packed prefill (``segments``)."""
+
+    def __init__(self, cache: SlotKVCache, pos=None, kv_len: int = 0, mask=None, segments=()):
+        self.cache, self.pos, self.kv_len, self.mask, self.segments = (
+            cache, pos, kv_len, mask, segments)
+
+
+_CONTEXT = threading.local()
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over :class:`SlotKVCache`, registered in transformers' ``AttentionInterface``
+    as ``"arealite_slots"`` (``query`` ``[B, Hq, T, D]``, ``key``/``value`` ``[B, Hkv, T, D]``
+    after RoPE; returns ``([B, T, Hq, D], None)`` like transformers' sdpa function).
+
+    Decode (``B`` rows, ``T = 1``): writes each row's new key/value at its own position, then
+    attends over the first ``kv_len`` cached positions with a per-row length mask; the query
+    heads of one KV head are packed as a length-``Hq/Hkv`` query, so GQA needs no repeat.
+    Prefill (``B = 1``, the prompts packed along ``T``): for each segment ``(row, start, off,
+    n)`` writes tokens ``off:off+n`` at positions ``start:start+n`` of ``row`` and attends
+    causally over that row's positions ``[0, start+n)`` (earlier chunks of the same prompt).
+
+    Outside a server step (no context set, e.g. a test calling the model directly) this is
+    transformers' own sdpa attention.
+    """
+    ctx = getattr(_CONTEXT, "step", None)
+    if ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    k_buf, v_buf = ctx.cache.k[module.layer_idx], ctx.cache.v[module.layer_idx]
+    if not ctx.segments:  # decode
+        b, hq, _, d = query.shape
+        hkv = key.shape[1]
+        rows = torch.arange(b, device=query.device)
+        k_buf[rows, :, ctx.pos] = key[:, :, 0]
+        v_buf[rows, :, ctx.pos] = value[:, :, 0]
+        q = query.reshape(b, hkv, hq // hkv, d)
+        out = sdpa(q, k_buf[:b, :, :ctx.kv_len], v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask,
+                   scale=scaling)
+        return out.reshape(b, hq, 1, d).transpose(1, 2), None
+    out = torch.empty_like(query)
+    gqa = query.shape[1] != key.shape[1]
+    for row, start, off, n in ctx.segments:
+        k_buf[row, :, start:start + n] = key[0, :, off:off + n]
+        v_buf[row, :, start:start + n] = value[0, :, off:off + n]
+        q = query[:, :, off:off + n]
+        k, v = k_buf[row:row + 1, :, :start + n], v_buf[row:row + 1, :, :start + n]
+        if start == 0:
+            out[:, :, off:off + n] = sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            causal = (torch.arange(n, device=q.device)[:, None] + start
+                      >= torch.arange(start + n, device=q.device)[None, :])
+            out[:, :, off:off + n] = sdpa(q, k, v, attn_mask=causal, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2), None
+
+
+def _register_attention():
+    """Register :func:`slot_attention`, with sdpa's mask builder (masks are ignored inside a
+    server step, but a direct call of the model with padding still gets its mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
 # ----------------------------------------------------------------------------- scheduler
 
 
@@ -302,6 +440,9 @@ class Request:
     output_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finished: bool = False
+    kv_len: int = 0  # tokens in this request's KV-cache row
+    last: int = -1  # the next token to feed (not yet in the cache)
+    kv_epoch: int = -1  # Scheduler._weights_epoch when its prompt KV was computed
 
 
 @dataclass
@@ -319,56 +460,30 @@ def _resolve(loop, future, value):
     loop.call_soon_threadsafe(_set)
 
 
-class _Batch:
-    """Running rows: KV cache ``[B, heads, L, dim]`` per layer, ``mask`` ``[B, L]`` (1 = real
-    token), ``positions`` ``[B]`` (position id of the next fed token) and ``last`` ``[B]``
-    (sampled tokens not yet fed to the model)."""
-
-    def __init__(self, reqs, cache, mask, positions, last):
-        self.reqs, self.cache, self.mask, self.positions, self.last = (
-            reqs, cache, mask, positions, last)
-
-    def _layers(self):
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
-
-    def select(self, keep: list):
-        """Keep only rows ``keep``; drop KV columns that are padding for every kept row."""
-        idx = torch.tensor(keep, dtype=torch.long)
-        self.reqs = [self.reqs[i] for i in keep]
-        self.cache.batch_select_indices(idx)
-        self.mask, self.positions, self.last = self.mask[idx], self.positions[idx], self.last[idx]
-        first = int(self.mask.any(dim=0).int().argmax())
-        if first > 0:
-            self.mask = self.mask[:, first:]
-            for layer in self._layers():
-                layer.keys = layer.keys[:, :, first:]
-                layer.values = layer.values[:, :, first:]
-
-    def merge(self, other: "_Batch"):
-        """Append ``other``'s rows, left-padding the shorter cache along the sequence dim."""
-        length = max(self.mask.shape[1], other.mask.shape[1])
-
-        def pad(x, dim):  # left-pad dim ``dim`` (counted from the end) to ``length`` with zeros
-            n = length - x.shape[dim]
-            return x if n == 0 else torch.nn.functional.pad(x, (0, 0) * (-dim - 1) + (n, 0))
-
-        for mine, theirs in zip(self._layers(), other._layers()):
-            mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)])
-            mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)])
-        self.mask = torch.cat([pad(self.mask, -1), pad(other.mask, -1)])
-        self.positions = torch.cat([self.positions, other.positions])
-        self.last = torch.cat([self.last, other.last])
-        self.reqs = self.reqs + other.reqs
-
-
 class Scheduler:
-    """Owns the model; runs prefill/decode in one thread with continuous batching."""
+    """Owns the model; runs prefill and decode in one thread with continuous batching.
+
+    Every loop iteration: handle queued messages; admit waiting requests while their prefill
+    fits ``max_prefill_tokens`` (at least one request per iteration) and the batch has fewer
+    than ``max_batch_size`` rows; then one decode step over all rows. Requests join and leave
+    between decode steps.
+
+    Prefill is packed (no padding) and computes only the KV cache of ``input_ids[:-1]``; the
+    last prompt token is the row's first decode input, so a new row's first token is sampled
+    in the same batched step as everyone else's. Prefix sharing: a request whose
+    ``input_ids[:-1]`` equal those of a running row (or of an earlier request of the same
+    admission, e.g. the ``n`` samples of a GRPO group) copies that row's KV instead of
+    recomputing it, provided the KV was computed with the current weights.
+    """
 
     def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0,
-                 decode_step_delay: float = 0.0, tokenizer=None):
+                 decode_step_delay: float = 0.0, tokenizer=None, max_prefill_tokens: int = 1024):
+        if max_batch_size < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
         self.model = model
         self.tokenizer = tokenizer  # optional: stop strings and the reply's "text"
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.decode_step_delay = decode_step_delay
         self.weight_version = weight_version
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -378,14 +493,52 @@ class Scheduler:
         if eos is None:
             eos = getattr(cfg, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._extra_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+            raise ValueError(f"{type(model).__name__} has sliding-window or other non-full "
+                             "attention layers, which arealite's server does not support; use "
+                             "rollout.backend=sglang or vllm for this model")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, dtype, self.device,
+                                 max_batch_size)
+        self._max_positions = getattr(cfg, "max_position_embeddings", None)
+        self._logits_kw = ({"logits_to_keep": 1}
+                           if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
+        _register_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self._weights_epoch = 0  # +1 at every weight load: KV computed before is not shared
         self._queue: queue.Queue = queue.Queue()
         self._waiting: list[Request] = []
-        self._running: _Batch | None = None
+        self._rows: list[Request] = []  # running requests; row i of the KV cache is _rows[i]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.stats = {"prefill_tokens": 0, "shared_prefix_tokens": 0, "decode_steps": 0}
+        self._self_check()
+
+    def _self_check(self):
+        """Decode 3 tokens through the slot cache and compare with a plain forward, so that a
+        model whose attention ignores transformers' ``AttentionInterface`` fails at start-up
+        instead of producing wrong logprobs."""
+        ids = [1, 2, 3]
+        with torch.inference_mode():
+            ref = self.model(input_ids=torch.tensor([ids], device=self.device),
+                             use_cache=False).logits[0].float()
+            req = Request("self-check", ids, SamplingParams(), False, None, None)
+            req.kv_len, req.last, req.kv_epoch = 0, ids[0], 0
+            self._rows = [req]
+            got = []
+            for _ in range(3):
+                got.append(self._forward_decode()[0].float())
+                req.last = ids[min(req.kv_len, 2)]
+            self._rows = []
+            self.cache.release()
+        err = (torch.stack(got) - ref).abs().max().item()
+        tol = 1e-3 if ref.dtype == torch.float32 and next(self.model.parameters()).dtype == torch.float32 else 0.1
+        if not err <= tol * max(1.0, ref.abs().max().item()):
+            raise RuntimeError(f"{type(self.model).__name__}: decoding through the server's KV "
+                               f"cache differs from a plain forward by {err:.3g}; this model "
+                               "does not use transformers' AttentionInterface")
 
     # -- called from the event loop thread
     def start(self):
@@ -406,16 +559,22 @@ class Scheduler:
     def _loop(self):
         while not self._stop.is_set():
             try:
-                self._drain(block=self._running is None and not self._waiting)
-                with torch.inference_mode():
-                    self._admit()
-                    if self._running is not None:
-                        self._decode_step()
-                if self.decode_step_delay and self._running is not None:
+                self.step(block=True)
+                if self.decode_step_delay and self._rows:
                     time.sleep(self.decode_step_delay)
             except Exception as exc:  # keep serving; fail what was in flight
                 logger.exception("scheduler step failed")
                 self._fail_all(exc)
+
+    def step(self, block: bool = False) -> None:
+        """One scheduler iteration: handle every queued message, admit waiting requests, run
+        one decode step. The scheduler thread calls it in a loop (``block``: wait up to 0.2 s
+        for a message when idle); tests call it directly to drive the server deterministically."""
+        self._drain(block=block and not self._rows and not self._waiting)
+        with torch.inference_mode():
+            self._admit()
+            if self._rows:
+                self._decode_step()
 
     def _drain(self, block: bool):
         try:
@@ -445,6 +604,7 @@ class Scheduler:
             except Exception as exc:
                 _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
                 return
+            self._weights_epoch += 1
             if version is not None:
                 self.weight_version = version
             _resolve(msg.loop, msg.future, (200, {
@@ -456,6 +616,7 @@ class Scheduler:
             except Exception as exc:
                 _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
                 return
+            self._weights_epoch += 1
             if version is not None:
                 self.weight_version = version
             message = f"Succeeded to update model weights ({n} tensors from {path})."
@@ -468,73 +629,126 @@ class Scheduler:
 
     def _abort_all(self) -> int:
         n = 0
-        if self._running is not None:
-            for req in self._running.reqs:
-                self._finish(req, {"type": "abort", "message": ABORT_BY_PAUSE})
-                n += 1
-            self._running = None
+        for req in self._rows:
+            self._finish(req, {"type": "abort", "message": ABORT_BY_PAUSE})
+            n += 1
         for req in self._waiting:
             self._finish(req, {"type": "abort", "message": ABORT_BEFORE_PREFILL})
             n += 1
-        self._waiting = []
+        self._rows, self._waiting = [], []
+        self.cache.release()
         return n
 
     def _fail_all(self, exc: Exception):
-        reqs = (self._running.reqs if self._running else []) + self._waiting
-        self._running, self._waiting = None, []
+        reqs = self._rows + self._waiting
+        self._rows, self._waiting = [], []
+        self.cache.release()
         for req in reqs:
             _resolve(req.loop, req.future, exc)
 
-    def _forward(self, input_ids, mask, positions, cache):
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **{self._cache_kw: cache}, **self._extra_kw)
-        return out.logits[:, -1]
-
     def _admit(self):
-        """Prefill waiting requests (as many as fit) and merge them into the running batch."""
-        free = self.max_batch_size - (len(self._running.reqs) if self._running else 0)
+        """Move waiting requests into the running rows: share or prefill their prompt KV.
+
+        Takes requests in arrival order while there is a free row and the prefill budget
+        (``max_prefill_tokens``, counting only tokens that must be computed) is not exceeded;
+        the first request is always taken. Long prompts are prefilled in chunks."""
+        free = self.max_batch_size - len(self._rows)
         if not self._waiting or free <= 0:
             return
-        reqs, self._waiting = self._waiting[:free], self._waiting[free:]
-        lengths = [len(r.input_ids) for r in reqs]
-        width = max(lengths)
-        ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        mask = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, req in enumerate(reqs):  # left padding
-            ids[i, width - lengths[i]:] = torch.tensor(req.input_ids)
-            mask[i, width - lengths[i]:] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        from transformers import DynamicCache
+        owners = {tuple(r.input_ids[:-1]): i for i, r in enumerate(self._rows)
+                  if r.kv_epoch == self._weights_epoch}
+        first_new = len(self._rows)
+        budget, segments, copies = self.max_prefill_tokens, [], []
+        while self._waiting and len(self._rows) < self.max_batch_size:
+            req = self._waiting[0]
+            key = tuple(req.input_ids[:-1])
+            need = 0 if key in owners or not key else len(key)
+            if need > budget and len(self._rows) > first_new:
+                break
+            self._waiting.pop(0)
+            row = len(self._rows)
+            req.kv_len, req.last, req.kv_epoch = len(key), req.input_ids[-1], self._weights_epoch
+            if key in owners:
+                copies.append((owners[key], row, len(key)))
+                self.stats["shared_prefix_tokens"] += len(key)
+            elif key:
+                owners[key] = row
+                segments.append((row, len(key), req.input_ids[:-1]))
+                budget -= len(key)
+            self._rows.append(req)
+        self.cache.ensure(len(self._rows), max(r.kv_len for r in self._rows) + 1,
+                          first_new, max((r.kv_len for r in self._rows[:first_new]), default=0))
+        self._prefill(segments)
+        for src, dst, length in copies:  # after the prefill: sources may be new rows
+            self.cache.copy_row(src, dst, length)
+        logger.debug("admitted %d requests (%d prefilled, %d shared); %d running",
+                     len(self._rows) - first_new, len(segments), len(copies), len(self._rows))
 
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids.to(self.device), mask.to(self.device),
-                               positions.to(self.device), cache)
-        batch = _Batch(reqs, cache, mask.to(self.device),
-                       torch.tensor(lengths, device=self.device), None)
-        batch.last = self._sample_and_append(batch.reqs, logits)
-        self._drop_finished(batch)
-        logger.debug("prefilled %d requests (width %d); %d running before merge", len(reqs),
-                     width, len(self._running.reqs) if self._running else 0)
-        if batch.reqs:
-            if self._running is None:
-                self._running = batch
-            else:
-                self._running.merge(batch)
+    def _prefill(self, segments):
+        """Compute the KV of ``segments`` (``(row, length, token ids)``), packed into forwards of
+        at most ``max_prefill_tokens`` tokens; a prompt longer than that is split into chunks
+        that continue at the right positions."""
+        pieces = []  # (row, start, ids)
+        for row, length, ids in segments:
+            for start in range(0, length, self.max_prefill_tokens):
+                pieces.append((row, start, ids[start:start + self.max_prefill_tokens]))
+        while pieces:
+            chunk, total = [], 0
+            while pieces and (not chunk or total + len(pieces[0][2]) <= self.max_prefill_tokens):
+                piece = pieces.pop(0)
+                if any(p[0] == piece[0] for p in chunk):  # a row's next chunk: next forward
+                    pieces.insert(0, piece)
+                    break
+                chunk.append(piece)
+                total += len(piece[2])
+            ids, positions, ctx_segments = [], [], []
+            for row, start, piece_ids in chunk:
+                ctx_segments.append((row, start, len(ids), len(piece_ids)))
+                ids.extend(piece_ids)
+                positions.extend(range(start, start + len(piece_ids)))
+            _CONTEXT.step = _StepContext(self.cache, segments=ctx_segments)
+            try:
+                self.model(input_ids=torch.tensor([ids], device=self.device),
+                           position_ids=torch.tensor([positions], device=self.device),
+                           use_cache=False, **self._logits_kw)
+            finally:
+                _CONTEXT.step = None
+            self.stats["prefill_tokens"] += len(ids)
+
+    def _forward_decode(self):
+        """One forward of every row's ``last`` token at position ``kv_len``; returns the
+        next-token logits ``[rows, vocab]``."""
+        rows = self._rows
+        pos = torch.tensor([r.kv_len for r in rows], device=self.device)
+        kv_len = max(r.kv_len for r in rows) + 1
+        self.cache.ensure(len(rows), kv_len, len(rows), kv_len - 1)
+        mask = (torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None])[:, None, None]
+        _CONTEXT.step = _StepContext(self.cache, pos=pos, kv_len=kv_len, mask=mask)
+        try:
+            out = self.model(input_ids=torch.tensor([[r.last] for r in rows], device=self.device),
+                             position_ids=pos[:, None], use_cache=False, **self._logits_kw)
+        finally:
+            _CONTEXT.step = None
+        for r in rows:
+            r.kv_len += 1
+        return out.logits[:, -1]
 
     def _decode_step(self):
-        b = self._running
-        b.mask = torch.cat([b.mask, torch.ones_like(b.mask[:, :1])], dim=1)
-        logits = self._forward(b.last[:, None], b.mask, b.positions[:, None], b.cache)
-        b.positions = b.positions + 1
-        b.last = self._sample_and_append(b.reqs, logits)
-        self._drop_finished(b)
-        if not b.reqs:
-            self._running = None
-
-    def _drop_finished(self, batch: _Batch):
-        keep = [i for i, r in enumerate(batch.reqs) if not r.finished]
-        if len(keep) < len(batch.reqs):
-            batch.select(keep)
+        logits = self._forward_decode()
+        self.stats["decode_steps"] += 1
+        tokens = self._sample_and_append(self._rows, logits)
+        for req, tok in zip(self._rows, tokens.tolist()):
+            req.last = tok
+        # Finished rows leave; the last row moves into each hole (one row copy).
+        for i in range(len(self._rows) - 1, -1, -1):
+            if self._rows[i].finished:
+                last = len(self._rows) - 1
+                if i != last:
+                    self.cache.copy_row(last, i, self._rows[last].kv_len)
+                    self._rows[i] = self._rows[last]
+                self._rows.pop()
+        if not self._rows and not self._waiting:
+            self.cache.release()
 
     def _sample_and_append(self, reqs, logits):
         """Sample a token for each row, record it and finish rows that hit a stop condition."""
@@ -616,6 +830,7 @@ class Server:
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/health", self.health)
         app.router.add_get("/get_model_info", self.get_model_info)
+        app.router.add_get("/get_server_info", self.get_server_info)
         app.router.add_post("/pause_generation", self.pause_generation)
         app.router.add_post("/continue_generation", self.continue_generation)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
@@ -676,6 +891,16 @@ class Server:
             "vocab_size": self.vocab_size,
             "max_batch_size": self.scheduler.max_batch_size,
         })
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        """``GET /get_server_info`` -> scheduler counters since start: ``prefill_tokens``
+        (prompt tokens run through the model), ``shared_prefix_tokens`` (prompt tokens whose KV
+        was copied from another row instead), ``decode_steps``; plus ``running_requests``,
+        ``waiting_requests`` and ``max_prefill_tokens``. Read without locking (a snapshot)."""
+        sched = self.scheduler
+        return web.json_response({**sched.stats, "running_requests": len(sched._rows),
+                                  "waiting_requests": len(sched._waiting),
+                                  "max_prefill_tokens": sched.max_prefill_tokens})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         """``POST /pause_generation`` (body ignored), SGLang's abort mode: running requests are
@@ -860,7 +1085,9 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=64, help="most running requests")
+    p.add_argument("--max-prefill-tokens", type=int, default=1024,
+                   help="prompt tokens prefilled per scheduler iteration (and per forward)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--weight-version", type=int, default=0)
@@ -894,7 +1121,7 @@ def main(argv=None):
     except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
         tokenizer = None
     scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version,
-                          args.decode_step_delay, tokenizer)
+                          args.decode_step_delay, tokenizer, args.max_prefill_tokens)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)

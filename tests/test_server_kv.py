@@ -1,0 +1,150 @@
+"""The server's scheduler and KV cache, driven in-process step by step (no HTTP).
+
+Reference: the same random tiny Llama (its own instance, default sdpa attention) run by HF:
+greedy tokens from ``generate`` and logprobs from one full forward of prompt + output.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from arealite.engine.server import SamplingParams, Scheduler
+
+VOCAB = 128
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=0, initializer_range=0.5)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _run(sched, requests):
+    """Submit ``[(input_ids, SamplingParams)]`` at once and step the scheduler until all finish;
+    returns the replies in order."""
+    async def main():
+        futures = [sched.submit("generate", (f"r{i}", ids, params, True))
+                   for i, (ids, params) in enumerate(requests)]
+        while not all(f.done() for f in futures):
+            sched.step()
+            await asyncio.sleep(0)  # run the futures' call_soon_threadsafe callbacks
+        return [f.result() for f in futures]
+    return asyncio.run(main())
+
+
+def _greedy(n):
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def _reference_logprobs(model, prompt, output, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logp.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
+
+
+def _logprobs(reply):
+    return [x[0] for x in reply["meta_info"]["output_token_logprobs"]]
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def test_chunked_prefill_matches_hf():
+    """A 23-token prompt prefilled in chunks of 4 tokens (6 forwards, positions continuing
+    across chunks) decodes exactly like HF."""
+    ref = _model()
+    sched = Scheduler(_model(), max_batch_size=4, max_prefill_tokens=4)
+    prompt = _prompt(23, 1)
+    reply = _run(sched, [(prompt, _greedy(12))])[0]
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                          min_new_tokens=12, pad_token_id=0)[0, 23:].tolist()
+    assert reply["output_ids"] == hf
+    assert _logprobs(reply) == pytest.approx(_reference_logprobs(ref, prompt, hf), abs=1e-5)
+    assert sched.stats["prefill_tokens"] == 22  # the last prompt token is the first decode input
+    assert sched.stats["decode_steps"] == 12
+
+
+def test_group_shares_one_prefill_and_logprobs_match():
+    """4 samples of one prompt (a GRPO group) + 1 other prompt: the group's prompt KV is computed
+    once and copied 3 times; every sampled token's logprob equals HF's recomputation."""
+    ref = _model()
+    sched = Scheduler(_model(), max_batch_size=8, seed=5)
+    group, other = _prompt(15, 2), _prompt(9, 3)
+    params = SamplingParams(temperature=0.8, max_new_tokens=10, ignore_eos=True)
+    replies = _run(sched, [(group, params)] * 4 + [(other, params)])
+    assert sched.stats["prefill_tokens"] == 14 + 8
+    assert sched.stats["shared_prefix_tokens"] == 3 * 14
+    outputs = [r["output_ids"] for r in replies]
+    assert len({tuple(o) for o in outputs[:4]}) > 1  # the samples differ
+    for prompt, reply in zip([group] * 4 + [other], replies):
+        assert _logprobs(reply) == pytest.approx(
+            _reference_logprobs(ref, prompt, reply["output_ids"], 0.8), abs=1e-4)
+
+
+def test_rows_leave_and_join_through_a_small_batch():
+    """9 requests of mixed prompt/output lengths through 3 rows and 7-token prefill chunks:
+    requests wait, join between steps, finished rows are replaced by the last row (KV copy),
+    buffers grow; every output equals its solo greedy run."""
+    sched = Scheduler(_model(), max_batch_size=3, max_prefill_tokens=7)
+    requests = [(_prompt(n, 10 + i), _greedy(m))
+                for i, (n, m) in enumerate([(3, 20), (30, 5), (1, 9), (18, 14), (12, 2), (25, 17),
+                                            (7, 11), (9, 30), (15, 6)])]
+    together = _run(sched, requests)
+    solo = [_run(Scheduler(_model(), max_batch_size=1), [r])[0] for r in requests]
+    for s, t in zip(solo, together):
+        assert t["output_ids"] == s["output_ids"]
+        assert _logprobs(t) == pytest.approx(_logprobs(s), abs=1e-5)
+        assert t["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_no_prefix_sharing_across_a_weight_update():
+    """KV computed before a weight load is not reused after it: the same prompt is prefilled
+    again, and its logprobs are those of the new weights."""
+    sched = Scheduler(_model(0), max_batch_size=4)
+    new = _model(1)
+    prompt = _prompt(11, 4)
+
+    async def main():
+        first = sched.submit("generate", ("a", prompt, _greedy(40), True))
+        sched.step()
+        sched.step()
+        load = sched.submit("load_tensors", (dict(new.state_dict()), 7))
+        second = sched.submit("generate", ("b", prompt, _greedy(5), True))
+        while not (first.done() and second.done() and load.done()):
+            sched.step()
+            await asyncio.sleep(0)
+        return first.result(), second.result(), load.result()
+
+    _, second, (status, _) = asyncio.run(main())
+    assert status == 200
+    assert sched.stats["prefill_tokens"] == 2 * 10 and sched.stats["shared_prefix_tokens"] == 0
+    assert second["meta_info"]["weight_version"] == 7
+    assert _logprobs(second) == pytest.approx(
+        _reference_logprobs(new, prompt, second["output_ids"]), abs=1e-5)
+
+
+def test_models_outside_the_attention_interface_are_refused():
+    class Legacy(LlamaForCausalLM):
+        def set_attn_implementation(self, *args, **kwargs):  # keeps its own attention
+            return None
+
+    torch.manual_seed(0)
+    legacy = Legacy(_model().config).eval()
+    with pytest.raises(RuntimeError, match="AttentionInterface"):
+        Scheduler(legacy)
+
+
+def test_sliding_window_models_are_refused():
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                      sliding_window=8, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding-window"):
+        Scheduler(Qwen2ForCausalLM(cfg).eval())
