@@ -3,6 +3,8 @@ response adapters, with recorded payload shapes (SGLang and vLLM are not install
 
 import asyncio
 import importlib.util
+import json
+import os
 import sys
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.engine.remote import RemoteInferenceEngine, SGLangAdapter, VLLMAdapter
-from arealite.launcher.local import check_backend_installed, gpu_assignment, launch_servers, server_command
+from arealite.launcher.local import check_backend_installed, gpu_assignment, launch_servers, server_command, server_env
 
 
 def _cfg(**kw):
@@ -25,11 +27,18 @@ def test_sglang_command():
                    "--skip-tokenizer-init", "--max-running-requests", "32", "--mem-fraction-static", "0.8"]
 
 
-def test_vllm_command_asks_for_tempered_logprobs():
+def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension():
     cmd = server_command(_cfg(backend="vllm"), "/models/qwen", 30002, seed=3)
     assert cmd == ["vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "30002",
                    "--tensor-parallel-size", "1", "--seed", "3", "--logprobs-mode", "processed_logprobs",
-                   "--max-num-seqs", "32"]
+                   "--max-num-seqs", "32", "--worker-extension-cls", "arealite.engine.vllm_ext.WeightUpdateExtension"]
+    # /collective_rpc is mounted only in dev mode; vLLM's workers must import arealite
+    import arealite
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(arealite.__file__)))
+    assert server_env("vllm", {"PYTHONPATH": "/x"}) == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{root}{os.pathsep}/x"}
+    assert server_env("vllm", {}) == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": root}
+    assert server_env("sglang") == server_env("local") == {}
 
 
 def test_local_command_binds_loopback():
@@ -93,8 +102,47 @@ def test_vllm_adapter_request_and_reply():
     assert VLLMAdapter.parse_response(reply) == ([220, 19], [-0.25, -1.5], "length", None)
     aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort", "logprobs": None}]}
     assert VLLMAdapter.parse_response(aborted) == ([], [], "abort", None)
-    with pytest.raises(ValueError, match="rollout.backend=vllm"):
-        VLLMAdapter.disk_update("/w", 1)
+
+
+def test_weight_update_requests_per_backend():
+    """The request bodies of every weight-update call, SGLang's and vLLM's (/collective_rpc into
+    arealite.engine.vllm_ext.WeightUpdateExtension; body as vLLM's route reads it)."""
+    bucket = {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]], "group_name": "g",
+              "flush_cache": True, "weight_version": 3}
+    assert SGLangAdapter.init_group_request("10.0.0.1", 29500, 3, 5, "g", "nccl") == ("/init_weights_update_group", {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 3, "world_size": 5, "group_name": "g",
+        "backend": "nccl"})
+    assert SGLangAdapter.update_distributed_request(bucket) == ("/update_weights_from_distributed", bucket)
+    assert SGLangAdapter.destroy_group_request("g") == ("/destroy_weights_update_group", {"group_name": "g"})
+    assert SGLangAdapter.weight_version_request == ("GET", "/get_model_info", None)
+    assert SGLangAdapter.parse_weight_version({"model_path": "/m", "weight_version": "3"}) == "3"
+
+    assert VLLMAdapter.disk_update("/w", 4) == ("/collective_rpc", {
+        "method": "arealite_update_from_disk", "kwargs": {"model_path": "/w", "weight_version": 4}})
+    endpoint, body = VLLMAdapter.init_group_request("10.0.0.1", "29500", 3, 5, "g", "nccl")
+    assert endpoint == "/collective_rpc" and body == {"method": "arealite_init_group", "kwargs": {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 3, "world_size": 5, "group_name": "g",
+        "backend": "nccl"}}
+    assert type(body["kwargs"]["master_port"]) is int  # AReaL-style string ports are converted
+    assert VLLMAdapter.update_distributed_request(bucket) == ("/collective_rpc", {
+        "method": "arealite_update_from_distributed", "kwargs": {
+            "names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]], "group_name": "g",
+            "weight_version": 3}})  # flush_cache dropped: /pause?mode=abort already cleared vLLM's prefix cache
+    assert VLLMAdapter.destroy_group_request("g") == ("/collective_rpc", {
+        "method": "arealite_destroy_group", "kwargs": {"group_name": "g"}})
+    assert VLLMAdapter.weight_version_request == ("POST", "/collective_rpc",
+                                                  {"method": "arealite_weight_version", "kwargs": {}})
+    for _, body in (VLLMAdapter.disk_update("/w", 4), VLLMAdapter.update_distributed_request(bucket)):
+        assert json.loads(json.dumps(body)) == body  # plain JSON all the way
+
+    # replies: one dict per TP worker -> SGLang's {"success", "message"}
+    reply = {"results": [{"success": True, "message": "loaded 1 tensors", "rank": 0, "weight_version": 3},
+                         {"success": False, "message": "loading 1 tensors failed", "rank": 1, "weight_version": 2}]}
+    assert VLLMAdapter.control_reply(reply) == {
+        "success": False, "weight_version": None,
+        "message": "rank 0: loaded 1 tensors; rank 1: loading 1 tensors failed"}
+    ok = {"results": [dict(r, success=True, weight_version=3) for r in reply["results"]]}
+    assert VLLMAdapter.control_reply(ok)["success"] is True and VLLMAdapter.parse_weight_version(ok) == 3
 
 
 def test_vllm_client_resubmits_after_abort(monkeypatch):

@@ -104,16 +104,55 @@ class SGLangAdapter:
         return "/update_weights_from_disk", {"model_path": path, "weight_version": version,
                                              "abort_all_requests": True}
 
+    # Distributed weight updates (``inference-protocols.md`` §1.4): ``(endpoint, body)`` pairs
+    # for :func:`post_control`, used by :mod:`arealite.engine.weight_sync`.
+    @staticmethod
+    def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                           group_name: str, backend: str) -> tuple[str, dict]:
+        return "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+    @staticmethod
+    def update_distributed_request(payload: dict) -> tuple[str, dict]:
+        """``payload``: ``{names, dtypes, shapes, group_name, flush_cache, weight_version}``."""
+        return "/update_weights_from_distributed", dict(payload)
+
+    @staticmethod
+    def destroy_group_request(group_name: str) -> tuple[str, dict]:
+        return "/destroy_weights_update_group", {"group_name": group_name}
+
+    weight_version_request = ("GET", "/get_model_info", None)  # (method, endpoint, body)
+
+    @staticmethod
+    def control_reply(reply: dict) -> dict:
+        """SGLang already answers ``{"success", "message"}``."""
+        return reply
+
+    @staticmethod
+    def parse_weight_version(reply: dict):
+        """``weight_version`` of a ``/get_model_info`` reply (None when absent)."""
+        return reply.get("weight_version")
+
 
 class VLLMAdapter:
     """vLLM's OpenAI ``/v1/completions`` with token-id prompts (``inference-protocols.md`` §2).
 
     Logprobs: vLLM reports pre-temperature logprobs unless it runs with
     ``--logprobs-mode processed_logprobs``, which the launcher passes
-    (:func:`arealite.launcher.local.vllm_command`); servers given by address must be started
+    (:func:`arealite.launcher.local.server_command`); servers given by address must be started
     with it too, or trainer and server logprobs disagree whenever ``temperature != 1``.
     Pause/resume use vLLM's native ``/pause?mode=abort`` and ``/resume`` (vLLM PR #28037).
+
+    Weight updates (disk and distributed) go through vLLM's ``POST /collective_rpc``
+    ``{"method", "kwargs"}`` (mounted when the server runs with ``VLLM_SERVER_DEV_MODE=1``) into
+    our worker extension :class:`arealite.engine.vllm_ext.WeightUpdateExtension` (loaded with
+    ``--worker-extension-cls``); the reply ``{"results": [one dict per worker]}`` is turned into
+    SGLang's ``{"success", "message"}`` by :meth:`control_reply`. The launcher sets both.
     """
+
+    worker_extension = "arealite.engine.vllm_ext.WeightUpdateExtension"  # --worker-extension-cls
+    server_env = {"VLLM_SERVER_DEV_MODE": "1"}  # mounts /collective_rpc
 
     name = "vllm"
     generate_endpoint = "/v1/completions"
@@ -156,10 +195,69 @@ class VLLMAdapter:
     resume = ("/resume", {})
 
     @staticmethod
+    def rpc(method: str, **kwargs) -> tuple[str, dict]:
+        """``("/collective_rpc", {"method": method, "kwargs": kwargs})``; kwargs must be JSON."""
+        return "/collective_rpc", {"method": method, "kwargs": kwargs}
+
+    @staticmethod
     def disk_update(path: str, version: int) -> tuple[str, dict]:
-        raise ValueError("rollout.backend=vllm: plain vLLM has no weight-update endpoint; "
-                         "use rollout.backend=sglang (or local) for RL training, or vLLM for "
-                         "evaluation only")
+        """Every worker loads the ``*.safetensors`` of the HF folder ``path`` (a path on the
+        server's machine) and reports ``version``."""
+        return VLLMAdapter.rpc("arealite_update_from_disk", model_path=path, weight_version=version)
+
+    @staticmethod
+    def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                           group_name: str, backend: str) -> tuple[str, dict]:
+        """Worker of TP rank r joins at ``rank_offset + r`` (same fields as SGLang's)."""
+        return VLLMAdapter.rpc("arealite_init_group", master_address=master_address,
+                               master_port=int(master_port), rank_offset=rank_offset, world_size=world_size,
+                               group_name=group_name, backend=backend)
+
+    @staticmethod
+    def update_distributed_request(payload: dict) -> tuple[str, dict]:
+        """SGLang's bucket payload -> the extension's kwargs. ``flush_cache`` is dropped: vLLM's
+        ``/pause`` (sent before every update) already cleared the prefix cache."""
+        return VLLMAdapter.rpc("arealite_update_from_distributed", names=list(payload["names"]),
+                               dtypes=list(payload["dtypes"]), shapes=[list(s) for s in payload["shapes"]],
+                               group_name=payload.get("group_name", "weight_update_group"),
+                               weight_version=payload.get("weight_version"))
+
+    @staticmethod
+    def destroy_group_request(group_name: str) -> tuple[str, dict]:
+        return VLLMAdapter.rpc("arealite_destroy_group", group_name=group_name)
+
+    weight_version_request = ("POST", "/collective_rpc", {"method": "arealite_weight_version", "kwargs": {}})
+
+    @staticmethod
+    def control_reply(reply: dict) -> dict:
+        """``{"results": [{"success", "message", "rank", "weight_version"}, ...]}`` (one per
+        worker) -> ``{"success": every worker succeeded, "message": "rank r: ..." joined,
+        "weight_version": the workers' common version, or None when they differ}``.
+
+        Raises:
+            ServerError: the reply is not of that shape (the extension is not loaded).
+        """
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not (isinstance(results, list) and results and all(isinstance(r, dict) for r in results)):
+            raise ServerError(f"unexpected /collective_rpc reply {reply!r}: start vLLM with --worker-extension-cls "
+                              f"{VLLMAdapter.worker_extension} (arealite importable by its workers)")
+        versions = {r.get("weight_version") for r in results}
+        return {"success": all(r.get("success") is True for r in results),
+                "message": "; ".join(f"rank {r.get('rank')}: {r.get('message')}" for r in results),
+                "weight_version": versions.pop() if len(versions) == 1 else None}
+
+    @staticmethod
+    def parse_weight_version(reply: dict):
+        """The workers' common weight version (None before the first update).
+
+        Raises:
+            ServerError: the workers report different versions (a partial update).
+        """
+        versions = {r.get("weight_version") for r in reply.get("results") or [] if isinstance(r, dict)}
+        if len(versions) > 1:
+            raise ServerError(f"the server's workers report different weight versions {sorted(map(str, versions))}; "
+                              "push the weights again")
+        return VLLMAdapter.control_reply(reply)["weight_version"]
 
 
 ADAPTERS = {"local": SGLangAdapter, "sglang": SGLangAdapter, "vllm": VLLMAdapter}
@@ -191,6 +289,27 @@ def post_json(address: str, endpoint: str, payload: dict | None = None, timeout:
         if attempt + 1 < retries:
             time.sleep(2**attempt)
     raise ServerError(f"{url}: no answer after {retries} attempts: {last!r}") from last
+
+
+def post_control(adapter, address: str, request: tuple[str, dict], timeout: float, retries: int = 1) -> dict:
+    """POST a control request built by ``adapter`` (an ``(endpoint, body)`` pair such as
+    ``adapter.init_group_request(...)``) and return the reply in SGLang's shape ``{"success":
+    True, "message", ...}`` (``adapter.control_reply``).
+
+    Raises:
+        ServerError: no answer, an HTTP error, or the server (or one of its vLLM workers)
+            reports ``success: false`` (its message is included).
+    """
+    endpoint, body = request
+    try:
+        reply = adapter.control_reply(post_json(address, endpoint, body, timeout, retries))
+    except ServerError as e:
+        if " answered 404" in str(e) and getattr(adapter, "server_env", None):
+            raise ServerError(f"{e}; start the server with {adapter.server_env} (launcher does it)") from None
+        raise
+    if not reply.get("success", False):
+        raise ServerError(f"{address}{endpoint} failed: {reply.get('message', reply)}")
+    return reply
 
 
 def wait_healthy(addresses: list[str], timeout: float, poll: float = 1.0) -> None:

@@ -8,7 +8,9 @@ the servers are killed when rank 0 exits. The command depends on ``rollout.backe
 * ``local``: ``python -m arealite.engine.server`` (our transformers server, CPU or GPU);
 * ``sglang``: ``python -m sglang.launch_server --model-path … --skip-tokenizer-init …``;
 * ``vllm``: ``vllm serve … --logprobs-mode processed_logprobs`` (tempered logprobs, like the
-  trainer's; ``inference-protocols.md`` §2.2).
+  trainer's; ``inference-protocols.md`` §2.2) ``--worker-extension-cls
+  arealite.engine.vllm_ext.WeightUpdateExtension`` with ``VLLM_SERVER_DEV_MODE=1`` (weight
+  updates, :func:`server_env`).
 
 GPU assignment (sglang/vllm): trainer rank r uses visible GPU r, so server i gets the
 ``rollout.tp_size`` GPUs after the trainer's, through its own ``CUDA_VISIBLE_DEVICES``
@@ -31,7 +33,7 @@ import sys
 import torch.distributed as dist
 
 from arealite.api.config import InferenceEngineConfig
-from arealite.engine.remote import RemoteInferenceEngine, wait_healthy
+from arealite.engine.remote import RemoteInferenceEngine, VLLMAdapter, wait_healthy
 
 
 def trainer_threads(config: InferenceEngineConfig, world_size: int) -> int:
@@ -79,10 +81,27 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
                 "--max-running-requests", str(config.server_max_batch_size), *config.server_args]
     if config.backend == "vllm":
         # processed_logprobs: logprobs after temperature, like the trainer's (vLLM's default is raw).
+        # The worker extension takes weight updates through /collective_rpc (see server_env).
         return ["vllm", "serve", model_path, *host, "--tensor-parallel-size", str(config.tp_size),
                 "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
-                "--max-num-seqs", str(config.server_max_batch_size), *config.server_args]
+                "--max-num-seqs", str(config.server_max_batch_size),
+                "--worker-extension-cls", VLLMAdapter.worker_extension, *config.server_args]
     raise ValueError(f"rollout.backend={config.backend!r}: use local, sglang or vllm")
+
+
+def server_env(backend: str, environ: dict | None = None) -> dict:
+    """Extra environment of a server process for ``backend``.
+
+    vllm: ``VLLM_SERVER_DEV_MODE=1`` (mounts ``/collective_rpc``, which weight updates use; it
+    also mounts other dev endpoints, so the server binds 127.0.0.1) and the folder holding the
+    ``arealite`` package prepended to ``PYTHONPATH`` (vLLM's workers import the extension).
+    """
+    if backend != "vllm":
+        return {}
+    environ = os.environ if environ is None else environ
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, environ.get("PYTHONPATH", "")) if p)
+    return {**VLLMAdapter.server_env, "PYTHONPATH": path}
 
 
 def gpu_assignment(n_servers: int, tp_size: int, trainer_gpus: int, visible: list[str]) -> list[str]:
@@ -138,7 +157,7 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
     for i in range(config.n_servers):
         port = _free_port()
         cmd = server_command(config, model_path, port, seed + i)
-        env = dict(os.environ, OMP_NUM_THREADS=str(config.server_threads))
+        env = dict(os.environ, OMP_NUM_THREADS=str(config.server_threads), **server_env(config.backend))
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i]
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
