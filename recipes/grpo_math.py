@@ -33,6 +33,7 @@ from arealite.algorithms.grpo import GRPO, DynamicSampling
 from arealite.api.config import GRPOConfig, load_config, to_dict
 from arealite.dataset.math_data import load_dataset
 from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.engine.weight_sync import WeightSyncError
 from arealite.evaluate import aevaluate
 from arealite.launcher.local import make_inference_engine, trainer_threads
 from arealite.reward.math import math_reward
@@ -58,12 +59,23 @@ def load_dataset_or_explain(name: str, cfg, split: str, seed: int) -> list[dict]
 
 def sync_weights(actor: FSDPEngine, rollout, weight_dir: str, version: int) -> None:
     """Pause → push the actor's weights (rollout.weight_sync: disk | distributed) → servers load
-    them → version bump on both sides → resume."""
+    them → version bump on both sides → resume.
+
+    Distributed push: a server that dies or hangs during it makes every rank raise
+    ``WeightSyncError`` naming it; it is excluded for good and the push is retried once with
+    the remaining servers. A second failure, no identified culprit, or no server left raises."""
     rollout.pause()
-    meta = rollout.weight_update_meta(weight_dir, version)
     if dist.get_rank() == 0:
-        rollout.pause_generation()
-    actor.upload_weights(meta)
+        rollout.pause_generation()  # servers that do not answer are excluded (not in the meta)
+    for attempt in (1, 2):
+        meta = rollout.weight_update_meta(weight_dir, version)
+        try:
+            actor.upload_weights(meta)
+            break
+        except WeightSyncError as e:  # raised on every rank, with the same e.failed
+            rollout.exclude_servers(e.failed, f"failed the weight update to version {version}")
+            if attempt == 2 or not e.failed:
+                raise
     if dist.get_rank() == 0:
         rollout.update_weights(meta)
         rollout.continue_generation()

@@ -97,6 +97,7 @@ class InferenceEngineConfig:
     addresses: list[str] = field(default_factory=list)  # "host:port" of running servers; [] = launch
     weight_sync: Literal["disk", "distributed"] = "disk"  # HF folder on disk, or broadcast (gloo/NCCL)
     weight_sync_bucket_mb: float = 256.0  # distributed: parameters per broadcast bucket [MiB]
+    weight_sync_timeout: float = 600.0  # distributed: a hung server fails the push after this long, per bucket [s]
     tp_size: int = 1  # sglang/vllm: GPUs (tensor-parallel ranks) per server
     server_args: list[str] = field(default_factory=list)  # sglang/vllm: extra launch flags, e.g. ["--mem-fraction-static", "0.8"]
     n_servers: int = 1  # servers to launch when no addresses are given

@@ -76,6 +76,8 @@ class WeightUpdateMeta:
         addresses: "distributed": the servers, in the same order on every rank.
         bucket_bytes: "distributed": parameters per broadcast bucket [bytes] (0 = one tensor each).
         tp_size: "distributed": GPUs per server (each server joins with tp_size ranks).
+        timeout_s: "distributed": a hung server fails the push after this long, per bucket and
+            for the group setup [s] (``rollout.weight_sync_timeout``); a dead one fails at once.
     """
 
     type: str
@@ -84,6 +86,7 @@ class WeightUpdateMeta:
     addresses: list[str] = field(default_factory=list)
     bucket_bytes: int = 256 << 20
     tp_size: int = 1
+    timeout_s: float = 600.0
 
 
 @dataclass

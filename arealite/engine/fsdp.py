@@ -457,7 +457,8 @@ class FSDPEngine(TrainEngine):
         if meta.type == "distributed":
             from arealite.engine.weight_sync import broadcast_weights
 
-            broadcast_weights(self.model, meta.addresses, meta.version, meta.bucket_bytes, tp_size=meta.tp_size)
+            broadcast_weights(self.model, meta.addresses, meta.version, meta.bucket_bytes, tp_size=meta.tp_size,
+                              timeout_s=meta.timeout_s)
             return
         if meta.type != "disk":
             raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")

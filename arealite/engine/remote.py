@@ -350,6 +350,9 @@ class RemoteInferenceEngine(InferenceEngine):
         if config.weight_sync == "distributed" and config.backend == "vllm":
             raise ValueError("rollout.weight_sync=distributed is not supported with rollout.backend=vllm; "
                              "use rollout.backend=sglang or local")
+        if not config.weight_sync_timeout > 0:
+            raise ValueError(f"rollout.weight_sync_timeout={config.weight_sync_timeout}: must be > 0 seconds "
+                             "(the bound for a hung server during a distributed weight update)")
         self.config, self.addresses = config, list(addresses)
         self.adapter = ADAPTERS[config.backend]
         self.executor = WorkflowExecutor(config, self, world_size)
@@ -378,6 +381,18 @@ class RemoteInferenceEngine(InferenceEngine):
         self._dead_until[addr] = time.monotonic() + DEAD_SERVER_COOLDOWN
         for rid in [r for r, a in self._rid_to_addr.items() if a == addr]:
             del self._rid_to_addr[rid]
+
+    def exclude_servers(self, addrs, reason: str) -> None:
+        """Mark ``addrs`` dead and exclude them for good (no generation, control calls or weight
+        updates any more), e.g. the ``err.failed`` of a :class:`~arealite.engine.weight_sync.WeightSyncError`:
+        a server that missed a weight update holds stale or mixed weights."""
+        for a in addrs:
+            if a not in self._dead_until:
+                raise ValueError(f"{a!r} is not one of this engine's servers {self.addresses}")
+            self.mark_dead(a)
+            if a not in self._excluded:
+                logger.error("server %s is excluded from now on: %s", a, reason)
+            self._excluded.add(a)
 
     def _choose_server(self, rid: str) -> str:
         live = self.live_addresses()
@@ -536,15 +551,23 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def weight_update_meta(self, path: str, version: int) -> WeightUpdateMeta:
         """The :class:`WeightUpdateMeta` for this config (``rollout.weight_sync``): the trainer
-        passes it to ``upload_weights`` (all ranks) and rank 0 to :meth:`update_weights`."""
+        passes it to ``upload_weights`` (all ranks) and rank 0 to :meth:`update_weights`.
+
+        ``addresses``: the servers not excluded (:meth:`exclude_servers`, or a failed pause or
+        update), in the original order; build the meta after :meth:`pause_generation` so that a
+        server that did not answer the pause is left out. A server only marked dead for a while
+        (a slow ``/generate``) is kept: skipping it would leave it with stale weights. Empty when
+        every server is excluded (the push then raises ``WeightSyncError``)."""
         return WeightUpdateMeta(type=self.config.weight_sync, path=path, version=version,
-                                addresses=list(self.addresses), tp_size=self.config.tp_size,
-                                bucket_bytes=int(self.config.weight_sync_bucket_mb * 2**20))
+                                addresses=[a for a in self.addresses if a not in self._excluded],
+                                tp_size=self.config.tp_size,
+                                bucket_bytes=int(self.config.weight_sync_bucket_mb * 2**20),
+                                timeout_s=self.config.weight_sync_timeout)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """"disk": every server loads the HF folder ``meta.path`` and reports ``meta.version``.
         "distributed": the trainer's ``upload_weights`` already pushed the tensors; check that
-        every server reports ``meta.version``.
+        every server of ``meta.addresses`` reports ``meta.version``.
 
         Raises:
             ValueError: unknown ``meta.type`` (or the backend cannot load weights from disk).
@@ -556,7 +579,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 if not reply.get("success", False):
                     raise ServerError(f"update_weights_from_disk failed: {reply}")
         elif meta.type == "distributed":
-            for a in self.live_addresses() or self.addresses:
+            for a in meta.addresses or self.live_addresses() or self.addresses:
                 info = post_json(a, "/get_model_info", timeout=30, retries=self.config.request_retries, method="GET")
                 if "weight_version" in info and str(info["weight_version"]) != str(meta.version):
                     raise ServerError(f"{a} reports weight_version {info['weight_version']!r} after a distributed "

@@ -20,11 +20,22 @@ Protocol (SGLang's, ``../shared/reference/inference-protocols.md`` §1.4 and §6
 Names are HF parameter names from ``model.named_parameters()`` (tied weights appear once, e.g.
 ``model.embed_tokens.weight`` and no ``lm_head.weight`` with ``tie_word_embeddings``), dtypes
 are ``str(dtype)`` without ``torch.``, shapes are the full (unsharded) shapes.
+
+Failures (a server dies or hangs during an update): :func:`broadcast_weights` raises
+:class:`WeightSyncError` on every trainer rank, naming the servers that failed (``err.failed``).
+Bound: a server whose process is gone closes its TCP connections, so gloo's broadcast (or the
+HTTP call) fails at once (measured ~0.1 s); a server that hangs costs at most ``timeout_s``
+(``rollout.weight_sync_timeout``) per bucket (per group setup) plus a 5 s ``/health`` probe that
+identifies it. The broken group is then aborted and forgotten on the trainer, and the surviving
+servers are asked to ``/destroy_weights_update_group``; the next call re-creates the group with
+the addresses it is given (the live ones: ``RemoteInferenceEngine.exclude_servers(err.failed)``
+then ``weight_update_meta``). Survivors hold partly updated weights until that push.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import socket
 import threading
@@ -34,9 +45,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from arealite.engine.remote import ServerError, post_json
+
 logger = logging.getLogger("arealite.weight_sync")
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+HEALTH_PROBE_TIMEOUT = 5.0  # [s] a server that does not answer GET /health within this failed
+
+
+class WeightSyncError(ServerError):
+    """A distributed weight update failed; raised on every trainer rank.
+
+    Attributes:
+        failed: addresses of the servers that died, hung or refused the update (empty if none
+            could be identified, e.g. every server is healthy but the group timed out).
+    """
+
+    def __init__(self, message: str, failed=()):
+        super().__init__(message)
+        self.failed = list(failed)
 
 
 # ----------------------------------------------------------------------------- process group
@@ -186,15 +213,17 @@ def _join_all(joins):
 
 def init_group(addresses: list[str], backend: str, tp_size: int = 1,
                group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0):
-    """Trainer rank 0: create the weight-update group with every server (idempotent).
+    """Trainer rank 0: create the weight-update group with every server (cached per
+    ``(addresses, group_name)``; :func:`forget_group` drops it).
 
-    Posts ``/init_weights_update_group`` to all servers from a thread while joining as rank 0.
+    Posts ``/init_weights_update_group`` to all servers from threads while joining as rank 0
+    (also from a thread), and returns or raises as soon as any of them fails: a dead server
+    does not make the trainer wait for the rendezvous timeout.
 
     Raises:
-        ServerError: a server refused to join (its message is included).
+        ServerError: a server refused or did not answer (its message is included).
+        RuntimeError / DistStoreError: the rendezvous failed or timed out (``timeout_s`` [s]).
     """
-    from arealite.engine.remote import ServerError, post_json
-
     key = (tuple(addresses), group_name)
     if key in _GROUPS:
         return _GROUPS[key]
@@ -211,19 +240,65 @@ def init_group(addresses: list[str], backend: str, tp_size: int = 1,
             if not r.get("success", False):
                 raise ServerError(f"{a}/init_weights_update_group failed: {r}")
 
-    join = _run_concurrently(post_all)
-    try:
-        pg = new_weight_update_group(master, port, 0, world, group_name, backend, timeout_s)
-    except Exception:
-        try:  # surface the server's reason if it has one
-            join(timeout=5)
-        except Exception as server_err:
-            raise server_err from None
-        raise
-    join(timeout=timeout_s)
+    # A failed rendezvous thread stays blocked until timeout_s; it is a daemon and harmless.
+    pg, _ = _join_all([_run_concurrently(new_weight_update_group, master, port, 0, world, group_name,
+                                         backend, timeout_s),
+                       _run_concurrently(post_all)])
     _GROUPS[key] = pg
     logger.info("weight-update group %r: trainer + %d server ranks (%s)", group_name, world - 1, backend)
     return pg
+
+
+def forget_group(addresses: list[str], group_name: str = DEFAULT_GROUP_NAME, notify=()) -> None:
+    """Trainer rank 0: abort and drop the cached group of ``addresses`` (if any), then ask each
+    server in ``notify`` to ``/destroy_weights_update_group`` (best effort, a warning on failure),
+    so that a later :func:`init_group` with the same ``group_name`` is accepted.
+
+    The process group is released (``abort()`` does not close gloo's connections, freeing the
+    last reference does), so a server still waiting in a broadcast of the old group fails at
+    once instead of after its own timeout. Its destructor may wait for an in-flight collective,
+    so the last reference is dropped in a daemon thread. Call it outside ``except`` blocks: a
+    live traceback keeps the group's objects alive.
+    """
+    group = _GROUPS.pop((tuple(addresses), group_name), None)
+    if group is not None:
+        doomed = [group.pg, group.store]
+        group.pg = group.store = None  # callers may still hold the WeightUpdateGroup
+
+        def release():
+            doomed.clear()
+            gc.collect()
+
+        threading.Thread(target=release, daemon=True).start()
+    for a in notify:
+        try:
+            post_json(a, "/destroy_weights_update_group", {"group_name": group_name},
+                      timeout=HEALTH_PROBE_TIMEOUT, retries=1)
+        except ServerError as e:
+            logger.warning("%s did not leave weight-update group %r: %s", a, group_name, e)
+
+
+def unhealthy_servers(addresses: list[str], timeout: float = HEALTH_PROBE_TIMEOUT) -> list[str]:
+    """The servers among ``addresses`` that do not answer ``GET /health`` within ``timeout`` [s]
+    (probed concurrently, one attempt each)."""
+
+    def probe(a):
+        try:
+            post_json(a, "/health", timeout=timeout, retries=1, method="GET")
+            return False
+        except ServerError:
+            return True
+
+    joins = [_run_concurrently(probe, a) for a in addresses]
+    out = []
+    for a, j in zip(addresses, joins):
+        try:
+            bad = j(timeout=timeout + 5)
+        except Exception:  # noqa: BLE001 - a probe that itself hangs counts as unhealthy
+            bad = True
+        if bad:
+            out.append(a)
+    return out
 
 
 def iter_buckets(named_tensors, bucket_bytes: int):
@@ -253,6 +328,57 @@ def _full_tensors(model: torch.nn.Module):
         yield name, data.detach()
 
 
+class _PushFailed(Exception):
+    """Internal: a bucket push failed; ``refused`` = servers whose HTTP call failed or said no."""
+
+    def __init__(self, cause: BaseException, refused: list[str]):
+        super().__init__(repr(cause))
+        self.cause, self.refused = cause, refused
+
+
+def _send_bucket(pg: WeightUpdateGroup, addresses: list[str], payload: dict, tensors, backend: str,
+                 timeout_s: float) -> None:
+    """Rank 0: post the bucket to every server (threads) and broadcast its tensors in order.
+
+    Fails as soon as one server's call fails, a broadcast fails (gloo: a peer closed its
+    connection), or ``timeout_s`` [s] has passed since the bucket started.
+
+    Raises:
+        _PushFailed: with the cause and the servers already known to have failed.
+    """
+    deadline = time.monotonic() + timeout_s
+    joins = [_run_concurrently(post_json, a, "/update_weights_from_distributed", payload, timeout_s, 1)
+             for a in addresses]
+
+    def abort_if():  # polled while broadcasting and while waiting for the replies
+        for j in joins:
+            if j.failed() is not None:
+                return j.failed()
+        if time.monotonic() > deadline:
+            return TimeoutError(f"bucket not done within timeout_s={timeout_s} s (rollout.weight_sync_timeout)")
+        return None
+
+    try:
+        for t in tensors:
+            t = t.contiguous()
+            if backend == "gloo" and t.device.type != "cpu":
+                t = t.cpu()
+            broadcast_tensor(pg, t, abort_if=abort_if)
+        while not all(j.done() for j in joins):
+            error = abort_if()
+            if error is not None:
+                raise error
+            time.sleep(0.002)
+        for a, j in zip(addresses, joins):
+            reply = j()
+            if not reply.get("success", False):
+                raise ServerError(f"{a}/update_weights_from_distributed failed: {reply}")
+    except Exception as e:
+        refused = [a for a, j in zip(addresses, joins)
+                   if j.failed() is not None or (j.done() and not (j() or {}).get("success", False))]
+        raise _PushFailed(e, refused) from e
+
+
 def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int,
                       bucket_bytes: int, backend: str | None = None, tp_size: int = 1,
                       group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0) -> dict:
@@ -264,28 +390,56 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
 
     Args:
         model: the (FSDP-sharded or plain) model.
-        addresses: servers, in the order used for ``rank_offset``.
+        addresses: servers, in the order used for ``rank_offset`` (rank 0's list is used).
         bucket_bytes: bucket budget [bytes] (``rollout.weight_sync_bucket_mb`` · 2**20).
         backend: "gloo"/"nccl"; None = NCCL when the parameters are on a GPU, else gloo.
+        timeout_s: bound for a hung server [s], per bucket and for the group setup
+            (``rollout.weight_sync_timeout``); a dead server is detected at once.
 
     Returns: ``{"n_buckets", "n_tensors", "bytes", "seconds"}`` (rank 0; zeros elsewhere).
 
     Raises:
-        ServerError: a server failed to receive or load a bucket (its weights are then a mix of
-            old and new tensors: push again or reload from disk).
+        WeightSyncError: on every rank, after the remaining all-gathers (so no rank hangs), when
+            ``addresses`` is empty or a server died, hung or refused; ``err.failed`` names the
+            failed servers. The group is forgotten (see the module docstring); the other servers
+            may hold a mix of old and new tensors until the next push.
     """
-    from arealite.engine.remote import ServerError, post_json
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     start = time.perf_counter()
     device = next(model.parameters()).device
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    pg = init_group(addresses, backend, tp_size, group_name, timeout_s) if rank == 0 else None
     stats = {"n_buckets": 0, "n_tensors": 0, "bytes": 0, "seconds": 0.0}
+    error, failed = None, []
+
+    def fail(where: str, e: BaseException) -> tuple[str, list[str]]:
+        cause = e.cause if isinstance(e, _PushFailed) else e
+        refused = e.refused if isinstance(e, _PushFailed) else []
+        bad = refused + [a for a in unhealthy_servers(addresses) if a not in refused]
+        survivors = [a for a in addresses if a not in bad]
+        message = (f"distributed weight update to version {version} failed {where} after "
+                   f"{time.perf_counter() - start:.2f} s: "
+                   f"{'server(s) ' + ', '.join(bad) + ' died, hung or refused' if bad else 'no failed server identified'}"
+                   f" (cause: {cause!r}). The weight-update group was destroyed; servers {survivors} may hold "
+                   "partly updated weights: exclude the failed servers (RemoteInferenceEngine.exclude_servers"
+                   "(err.failed)) and push again; a hung server costs at most "
+                   f"rollout.weight_sync_timeout={timeout_s} s per bucket")
+        logger.error(message)
+        return message, bad
+
+    pg = None
+    if rank == 0:
+        if not addresses:
+            error = (f"distributed weight update to version {version}: no server to push to (every server "
+                     "failed a control call, see the log); restart the servers or fix rollout.addresses")
+        else:
+            try:
+                pg = init_group(addresses, backend, tp_size, group_name, timeout_s)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error, failed = fail("while creating the weight-update group", e)
     with torch.no_grad():
-        for bucket in iter_buckets(_full_tensors(model), bucket_bytes):
-            if rank != 0:
-                continue
+        for k, bucket in enumerate(iter_buckets(_full_tensors(model), bucket_bytes)):
+            if rank != 0 or error is not None:
+                continue  # the all-gathers above go on, so that every rank reaches the end
             payload = {
                 "names": [n for n, _ in bucket],
                 "dtypes": [dtype_name(t.dtype) for _, t in bucket],
@@ -294,26 +448,21 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
                 "flush_cache": True,
                 "weight_version": version,
             }
-
-            def post_all(payload=payload):  # concurrently: every server must be receiving
-                joins = [_run_concurrently(post_json, a, "/update_weights_from_distributed",
-                                           payload, timeout_s, 1) for a in addresses]
-                return _join_all(joins)
-
-            join = _run_concurrently(post_all)
-            for _, t in bucket:
-                t = t.contiguous()
-                if backend == "gloo" and t.device.type != "cpu":
-                    t = t.cpu()
-                broadcast_tensor(pg, t, abort_if=join.failed)
-            for a, reply in zip(addresses, join(timeout=timeout_s)):
-                if not reply.get("success", False):
-                    raise ServerError(f"{a}/update_weights_from_distributed failed: {reply}; the "
-                                      "servers' weights may be partly updated: push again")
+            try:
+                _send_bucket(pg, addresses, payload, [t for _, t in bucket], backend, timeout_s)
+            except _PushFailed as e:
+                error, failed = fail(f"at bucket {k + 1} ({stats['n_tensors']} tensors sent before it)", e)
+                continue
             stats["n_buckets"] += 1
             stats["n_tensors"] += len(bucket)
             stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-    if dist.is_initialized():
-        dist.barrier()
+    if rank == 0 and error is not None and addresses:  # outside the except blocks (see forget_group)
+        forget_group(addresses, group_name, notify=[a for a in addresses if a not in failed])
+    if dist.is_initialized():  # every rank learns rank 0's outcome (also a barrier)
+        box = [(error, failed)]
+        dist.broadcast_object_list(box, src=0)
+        error, failed = box[0]
+    if error is not None:
+        raise WeightSyncError(error, failed)
     stats["seconds"] = time.perf_counter() - start
     return stats

@@ -1,0 +1,185 @@
+"""A server SIGKILLed in the middle of a distributed weight update (gloo, CPU).
+
+Two local servers start on model A (seed 0); the trainer (1-rank FSDPEngine) holds model B
+(seed 1). The recipe's ``sync_weights`` pushes B; server 1 is killed between two broadcasts of
+the second bucket, while server 0 is waiting for the rest of that bucket. Expected: the push
+raises ``WeightSyncError`` naming server 1 long before ``rollout.weight_sync_timeout``, the
+client excludes server 1, the retry re-creates the group with server 0 only, and server 0 ends
+bit-identical to the trainer, at the new version, generating like HF on model B.
+"""
+
+import hashlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import arealite.engine.weight_sync as ws
+from arealite.api.config import InferenceEngineConfig, TrainEngineConfig
+from arealite.engine.fsdp import FSDPEngine
+from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json, wait_healthy
+from arealite.engine.weight_sync import WeightSyncError
+from arealite.launcher.local import _free_port, server_command
+
+from conftest import REPO_ROOT, save_tiny_model
+
+PROMPT = [1, 17, 300, 4000, 25, 9]
+TIMEOUT_S = 30.0  # rollout.weight_sync_timeout: what a hung (not dead) server would cost per bucket
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _server_digests(addr, names):
+    return {n: post_json(addr, "/get_weights_by_name", {"name": n, "digest": True})["sha256"] for n in names}
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("grpo_math", os.path.join(REPO_ROOT, "recipes", "grpo_math.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("wsync_fail")
+    model_a, model_b = tiny_model_dir, save_tiny_model(str(root / "b"), seed=1)
+    cfg = InferenceEngineConfig(n_servers=2, setup_timeout=120, request_timeout=120, request_retries=1,
+                                weight_sync="distributed", weight_sync_bucket_mb=1, weight_sync_timeout=TIMEOUT_S)
+    # Started here (not by launch_servers) so that the test holds the process handles.
+    procs, addrs = [], []
+    for i in range(2):
+        port = _free_port()
+        with open(root / f"server{i}.log", "w") as log:
+            procs.append(subprocess.Popen(server_command(cfg, model_a, port, 1 + i), stdout=log,
+                                          stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1")))
+        addrs.append(f"127.0.0.1:{port}")
+    try:
+        wait_healthy(addrs, cfg.setup_timeout)
+        actor = FSDPEngine(TrainEngineConfig(path=model_b))
+        actor.initialize(model_b)
+        yield RemoteInferenceEngine(cfg, addrs), actor, procs, model_a, model_b
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_server_killed_mid_broadcast_is_named_excluded_and_survivor_gets_retried_push(setup, monkeypatch):
+    rollout, actor, procs, model_a, model_b = setup
+    survivor, victim = rollout.addresses
+    trainer = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in actor.model.named_parameters()}
+    expected = {n: _digest(t) for n, t in trainer.items()}
+    initial = _server_digests(survivor, list(trainer))  # model A
+    differing = [n for n in trainer if initial[n] != expected[n]]  # norms are all ones in A and B
+    assert "model.embed_tokens.weight" in differing and len(differing) >= 10
+
+    # Kill the victim just before the 4th broadcast of the trainer: #1 is the group's first
+    # (connect) collective, #2 the embedding (bucket 1, alone: 12 MiB > 1 MiB), #3-#4 the first
+    # tensors of bucket 2 -- the survivor has been asked for bucket 2 and waits for tensor #4.
+    real_broadcast, calls = ws.broadcast_tensor, []
+
+    def broadcast_then_kill(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
+        return real_broadcast(*args, **kwargs)
+
+    monkeypatch.setattr(ws, "broadcast_tensor", broadcast_then_kill)
+    attempts = []  # (meta, seconds, exception or None, survivor digests after a failure)
+    real_upload = actor.upload_weights
+
+    def recording_upload(meta):
+        start = time.monotonic()
+        try:
+            real_upload(meta)
+        except WeightSyncError as e:
+            attempts.append((meta, time.monotonic() - start, e, _server_digests(survivor, differing)))
+            monkeypatch.setattr(ws, "broadcast_tensor", real_broadcast)  # the retry is not sabotaged
+            raise
+        attempts.append((meta, time.monotonic() - start, None, None))
+
+    monkeypatch.setattr(actor, "upload_weights", recording_upload)
+    grpo_math = _load_recipe()
+    grpo_math.sync_weights(actor, rollout, "", version=1)
+
+    # First attempt: both servers, a named error well before the hung-server bound.
+    (meta1, seconds, error, partial), (meta2, _, no_error, _) = attempts
+    assert meta1.addresses == [survivor, victim] and meta1.timeout_s == TIMEOUT_S
+    assert isinstance(error, ServerError) and error.failed == [victim]
+    assert victim in str(error) and "version 1" in str(error)
+    assert seconds < TIMEOUT_S  # a dead peer is detected from its closed connections, not by the timeout
+    assert procs[1].poll() == -signal.SIGKILL
+    # The survivor loaded bucket 1 (the embedding) and nothing of the interrupted bucket 2.
+    assert partial == {n: expected[n] if n == "model.embed_tokens.weight" else initial[n] for n in differing}
+    assert not any(victim in key[0] for key in ws._GROUPS)  # the broken group is forgotten
+
+    # Recovery: the victim is excluded; the retry went to the survivor alone and succeeded.
+    assert no_error is None and meta2.addresses == [survivor]
+    assert rollout.live_addresses() == [survivor] and rollout.weight_update_meta("", 2).addresses == [survivor]
+    assert ((survivor,), ws.DEFAULT_GROUP_NAME) in ws._GROUPS
+    assert _server_digests(survivor, list(trainer)) == expected
+    assert post_json(survivor, "/get_model_info", method="GET")["weight_version"] == 1
+    assert rollout.get_version() == 1
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_b).eval()
+    with torch.no_grad():
+        hf_tokens = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                                pad_token_id=0)[0, len(PROMPT):].tolist()
+    out = post_json(survivor, "/generate", {"input_ids": PROMPT, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}})
+    assert out["output_ids"] == hf_tokens
+
+
+def test_push_with_no_server_left_raises_on_every_rank(setup):
+    rollout, actor, *_ = setup
+    with pytest.raises(WeightSyncError, match="no server to push to") as info:
+        ws.broadcast_weights(actor.model, [], version=7, bucket_bytes=0)
+    assert info.value.failed == []
+
+
+def test_sync_weights_retries_once_then_raises(setup, monkeypatch):
+    """Pure control flow of the recipe: a second failure is not retried again."""
+    rollout, actor, *_ = setup
+    grpo_math = _load_recipe()
+    metas, excluded = [], []
+
+    class Rollout:  # the calls sync_weights makes, recorded
+        def pause(self): pass
+        def pause_generation(self): pass
+        def weight_update_meta(self, path, version):
+            metas.append(version)
+            return rollout.weight_update_meta(path, version)
+        def exclude_servers(self, addrs, reason): excluded.append(list(addrs))
+
+    def always_fail(meta):
+        raise WeightSyncError("boom", failed=[f"10.0.0.{len(metas)}:1"])
+
+    monkeypatch.setattr(actor, "upload_weights", always_fail)
+    with pytest.raises(WeightSyncError, match="boom"):
+        grpo_math.sync_weights(actor, Rollout(), "", version=5)
+    assert metas == [5, 5] and excluded == [["10.0.0.1:1"], ["10.0.0.2:1"]]
+
+    def fail_unidentified(meta):
+        raise WeightSyncError("nobody identified", failed=[])
+
+    metas.clear(), excluded.clear()
+    monkeypatch.setattr(actor, "upload_weights", fail_unidentified)
+    with pytest.raises(WeightSyncError, match="nobody identified"):
+        grpo_math.sync_weights(actor, Rollout(), "", version=6)
+    assert metas == [6] and excluded == [[]]  # no culprit: no blind retry
+
+
+def test_exclude_servers_rejects_unknown_address(setup):
+    with pytest.raises(ValueError, match="not one of this engine's servers"):
+        setup[0].exclude_servers(["10.9.9.9:1"], "test")
