@@ -148,3 +148,24 @@ def test_sliding_window_models_are_refused():
                       sliding_window=8, max_window_layers=0)
     with pytest.raises(ValueError, match="sliding-window"):
         Scheduler(Qwen2ForCausalLM(cfg).eval())
+
+
+def test_inverse_cdf_sampling_frequencies():
+    """20000 draws per row match the tempered / nucleus-filtered distribution to 0.01, and a
+    zero-probability token (after filtering) is never drawn."""
+    from arealite.engine.server import sample_next_tokens
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    logits = torch.log(probs).repeat(n, 1)
+    g = torch.Generator().manual_seed(0)
+    plain, _ = sample_next_tokens(logits, torch.ones(n), torch.ones(n), torch.full((n,), -1), g)
+    freq = torch.bincount(plain, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.01)
+    hot, _ = sample_next_tokens(logits, torch.full((n,), 0.5), torch.ones(n), torch.full((n,), -1), g)
+    tempered = probs ** 2 / (probs ** 2).sum()  # softmax(log p / 0.5)
+    assert torch.allclose(torch.bincount(hot, minlength=4).float() / n, tempered, atol=0.01)
+    nucleus, _ = sample_next_tokens(logits, torch.ones(n), torch.full((n,), 0.7), torch.full((n,), -1), g)
+    freq = torch.bincount(nucleus, minlength=4).float() / n  # keeps {0, 1}: 0.5 + 0.3 >= 0.7
+    assert freq[2:].sum() == 0
+    assert torch.allclose(freq[:2], torch.tensor([0.625, 0.375]), atol=0.01)

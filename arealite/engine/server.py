@@ -196,8 +196,7 @@ def sample_next_tokens(logits, temperature, top_p, top_k, generator):
     filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
     plain = (~greedy & ~filtered).nonzero().squeeze(1)
     if plain.numel():  # no top-k/top-p: sample the tempered softmax directly (no sort)
-        choice = torch.multinomial(logprobs_all[plain].exp(), 1, generator=generator)
-        tokens[plain] = choice.squeeze(1)
+        tokens[plain] = _sample_rows(logprobs_all[plain].exp(), generator)
     rows = (~greedy & filtered).nonzero().squeeze(1)
     if rows.numel():
         probs = logprobs_all[rows].exp()
@@ -209,9 +208,24 @@ def sample_next_tokens(logits, temperature, top_p, top_k, generator):
         drop |= mass_before >= top_p[rows][:, None]
         drop[:, 0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
-        choice = torch.multinomial(sorted_p, 1, generator=generator)
-        tokens[rows] = sorted_idx.gather(1, choice).squeeze(1)
+        choice = _sample_rows(sorted_p, generator)
+        tokens[rows] = sorted_idx.gather(1, choice[:, None]).squeeze(1)
     return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _sample_rows(weights, generator):
+    """One index per row of ``weights`` ``[B, V]`` (non-negative, unnormalised), drawn with
+    probability proportional to the weight by inverse-CDF sampling: ``searchsorted(cumsum(w),
+    u * sum(w))``, ``u ~ U[0, 1)``. Same distribution as ``torch.multinomial(weights, 1)``, which
+    is ~10x slower on CPU for a 50k vocabulary. Zero-weight entries are never picked."""
+    cdf = weights.cumsum(dim=-1)
+    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device,
+                   dtype=cdf.dtype) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    # u * total can round up to total; a zero-weight tail must not be picked, so step back to
+    # the last index with weight (cdf strictly increases there).
+    last = weights.shape[1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(idx, last)
 
 
 # ----------------------------------------------------------------------------- weights
