@@ -24,9 +24,10 @@ are ``str(dtype)`` without ``torch.``, shapes are the full (unsharded) shapes.
 Failures (a server dies or hangs during an update): :func:`broadcast_weights` raises
 :class:`WeightSyncError` on every trainer rank, naming the servers that failed (``err.failed``).
 Bound: a server whose process is gone closes its TCP connections, so gloo's broadcast (or the
-HTTP call) fails at once (measured ~0.1 s); a server that hangs costs at most ``timeout_s``
-(``rollout.weight_sync_timeout``) per bucket (per group setup) plus a 5 s ``/health`` probe that
-identifies it. The broken group is then aborted and forgotten on the trainer, and the surviving
+HTTP call) fails at once (0.2 s from the start of the push in tests/test_weight_sync_failure.py);
+a server that hangs costs at most ``timeout_s`` (``rollout.weight_sync_timeout``) per bucket (or
+group setup) plus a 5 s ``/health`` probe that identifies it (SIGSTOP, ``timeout_s=5``: 10.05 s).
+The broken group is then released and forgotten on the trainer, and the surviving
 servers are asked to ``/destroy_weights_update_group``; the next call re-creates the group with
 the addresses it is given (the live ones: ``RemoteInferenceEngine.exclude_servers(err.failed)``
 then ``weight_update_meta``). Survivors hold partly updated weights until that push.
@@ -254,18 +255,24 @@ def forget_group(addresses: list[str], group_name: str = DEFAULT_GROUP_NAME, not
     server in ``notify`` to ``/destroy_weights_update_group`` (best effort, a warning on failure),
     so that a later :func:`init_group` with the same ``group_name`` is accepted.
 
-    The process group is released (``abort()`` does not close gloo's connections, freeing the
-    last reference does), so a server still waiting in a broadcast of the old group fails at
-    once instead of after its own timeout. Its destructor may wait for an in-flight collective,
-    so the last reference is dropped in a daemon thread. Call it outside ``except`` blocks: a
-    live traceback keeps the group's objects alive.
+    The process group is released (gloo: ``abort()`` does not close the connections, freeing
+    the last reference does; NCCL: ``abort()`` first, untested: needs one GPU per rank), so a
+    server still waiting in a broadcast of the old group fails at once instead of after its own
+    timeout. Its destructor may wait for an in-flight collective, so the last reference is
+    dropped in a daemon thread. Call it outside ``except`` blocks: a live traceback keeps the
+    group's objects alive.
     """
     group = _GROUPS.pop((tuple(addresses), group_name), None)
     if group is not None:
-        doomed = [group.pg, group.store]
+        doomed, backend = [group.pg, group.store], group.backend
         group.pg = group.store = None  # callers may still hold the WeightUpdateGroup
 
         def release():
+            if backend == "nccl":  # NCCL: abort the communicator (kills a kernel stuck on a dead peer)
+                try:
+                    doomed[0].abort()
+                except Exception as e:  # noqa: BLE001 - best effort; the group is dropped anyway
+                    logger.warning("aborting weight-update group %r failed: %r", group_name, e)
             doomed.clear()
             gc.collect()
 
