@@ -148,6 +148,36 @@ def test_push_with_no_server_left_raises_on_every_rank(setup):
     assert info.value.failed == []
 
 
+TWO_RANKS = """
+import sys
+import torch.distributed as dist
+from arealite.api.config import TrainEngineConfig
+from arealite.engine.fsdp import FSDPEngine
+from arealite.engine.weight_sync import WeightSyncError, broadcast_weights
+actor = FSDPEngine(TrainEngineConfig(path=sys.argv[1]))
+actor.initialize(sys.argv[1])
+try:
+    broadcast_weights(actor.model, [sys.argv[2]], version=1, bucket_bytes=0, timeout_s=60)
+except WeightSyncError as e:
+    print(f"rank {dist.get_rank()} failed {e.failed}", flush=True)
+actor.destroy()
+"""
+
+
+def test_every_rank_raises_when_rank0_cannot_push(tiny_model_dir, tmp_path):
+    """2 FSDP ranks; nothing listens at the address: rank 0 fails to create the group, rank 1
+    (which only all-gathers) must learn it and raise too instead of hanging."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    dead = f"127.0.0.1:{_free_port()}"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), tiny_model_dir, dead], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank 0 failed {[dead]}", f"rank 1 failed {[dead]}"]
+
+
 def test_sync_weights_retries_once_then_raises(setup, monkeypatch):
     """Pure control flow of the recipe: a second failure is not retried again."""
     rollout, actor, *_ = setup

@@ -426,9 +426,10 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
         message = (f"distributed weight update to version {version} failed {where} after "
                    f"{time.perf_counter() - start:.2f} s: "
                    f"{'server(s) ' + ', '.join(bad) + ' died, hung or refused' if bad else 'no failed server identified'}"
-                   f" (cause: {cause!r}). The weight-update group was destroyed; servers {survivors} may hold "
-                   "partly updated weights: exclude the failed servers (RemoteInferenceEngine.exclude_servers"
-                   "(err.failed)) and push again; a hung server costs at most "
+                   f" (cause: {cause!r}). The weight-update group was dropped"
+                   + (f"; servers {survivors} may hold partly updated weights" if survivors else "")
+                   + ": exclude the failed servers (RemoteInferenceEngine.exclude_servers(err.failed)) and "
+                   "push again; a hung server costs at most "
                    f"rollout.weight_sync_timeout={timeout_s} s per bucket")
         logger.error(message)
         return message, bad
