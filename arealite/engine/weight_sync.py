@@ -58,8 +58,9 @@ class WeightSyncError(ServerError):
     """A distributed weight update failed; raised on every trainer rank.
 
     Attributes:
-        failed: addresses of the servers that died, hung or refused the update (empty if none
-            could be identified, e.g. every server is healthy but the group timed out).
+        failed: addresses of the servers that died or hung (no answer to ``GET /health`` within
+            ``HEALTH_PROBE_TIMEOUT`` after the failure); empty when every server is healthy (e.g.
+            one refused the request: its reason is in the message).
     """
 
     def __init__(self, message: str, failed=()):
@@ -336,7 +337,8 @@ def _full_tensors(model: torch.nn.Module):
 
 
 class _PushFailed(Exception):
-    """Internal: a bucket push failed; ``refused`` = servers whose HTTP call failed or said no."""
+    """Internal: a bucket push failed; ``refused`` = servers whose HTTP call failed or said no
+    (a healthy one among them may only have lost a peer of the broken group)."""
 
     def __init__(self, cause: BaseException, refused: list[str]):
         super().__init__(repr(cause))
@@ -407,8 +409,8 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
 
     Raises:
         WeightSyncError: on every rank, after the remaining all-gathers (so no rank hangs), when
-            ``addresses`` is empty or a server died, hung or refused; ``err.failed`` names the
-            failed servers. The group is forgotten (see the module docstring); the other servers
+            ``addresses`` is empty or a server died, hung or failed the update; ``err.failed``
+            names the dead or hung servers. The group is forgotten (see the module docstring); the other servers
             may hold a mix of old and new tensors until the next push.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -420,17 +422,21 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
 
     def fail(where: str, e: BaseException) -> tuple[str, list[str]]:
         cause = e.cause if isinstance(e, _PushFailed) else e
-        refused = e.refused if isinstance(e, _PushFailed) else []
-        bad = refused + [a for a in unhealthy_servers(addresses) if a not in refused]
+        # Only dead or hung servers are blamed: a healthy one whose receive failed may just have
+        # lost a peer of the broken group, and it can join the next group.
+        bad = unhealthy_servers(addresses)
+        refused = [a for a in (e.refused if isinstance(e, _PushFailed) else []) if a not in bad]
         survivors = [a for a in addresses if a not in bad]
         message = (f"distributed weight update to version {version} failed {where} after "
                    f"{time.perf_counter() - start:.2f} s: "
-                   f"{'server(s) ' + ', '.join(bad) + ' died, hung or refused' if bad else 'no failed server identified'}"
-                   f" (cause: {cause!r}). The weight-update group was dropped"
+                   + (f"server(s) {', '.join(bad)} died or hung (no answer to GET /health)" if bad
+                      else "no dead or hung server found")
+                   + (f"; {', '.join(refused)} answered but failed the update" if refused else "")
+                   + f" (cause: {cause!r}). The weight-update group was dropped"
                    + (f"; servers {survivors} may hold partly updated weights" if survivors else "")
-                   + ": exclude the failed servers (RemoteInferenceEngine.exclude_servers(err.failed)) and "
-                   "push again; a hung server costs at most "
-                   f"rollout.weight_sync_timeout={timeout_s} s per bucket")
+                   + (": exclude the failed servers (RemoteInferenceEngine.exclude_servers(err.failed)) and push "
+                      "again" if bad else ": fix the cause and push again")
+                   + f"; a hung server costs at most rollout.weight_sync_timeout={timeout_s} s per bucket")
         logger.error(message)
         return message, bad
 
