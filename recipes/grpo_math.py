@@ -61,9 +61,9 @@ def sync_weights(actor: FSDPEngine, rollout, weight_dir: str, version: int) -> N
     """Pause → push the actor's weights (rollout.weight_sync: disk | distributed) → servers load
     them → version bump on both sides → resume.
 
-    Distributed push: a server that dies or hangs during it makes every rank raise
-    ``WeightSyncError`` naming it; it is excluded for good and the push is retried once with
-    the remaining servers. A second failure, no identified culprit, or no server left raises."""
+    Distributed push: a failure makes every rank raise ``WeightSyncError``; the servers it names
+    as dead or hung are excluded for good and the push is retried once, with a new group of the
+    remaining servers. A second failure (e.g. no server left) raises."""
     rollout.pause()
     if dist.get_rank() == 0:
         rollout.pause_generation()  # servers that do not answer are excluded (not in the meta)
@@ -74,7 +74,7 @@ def sync_weights(actor: FSDPEngine, rollout, weight_dir: str, version: int) -> N
             break
         except WeightSyncError as e:  # raised on every rank, with the same e.failed
             rollout.exclude_servers(e.failed, f"failed the weight update to version {version}")
-            if attempt == 2 or not e.failed:
+            if attempt == 2:
                 raise
     if dist.get_rank() == 0:
         rollout.update_weights(meta)
