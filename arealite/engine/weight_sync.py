@@ -410,8 +410,8 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
     Raises:
         WeightSyncError: on every rank, after the remaining all-gathers (so no rank hangs), when
             ``addresses`` is empty or a server died, hung or failed the update; ``err.failed``
-            names the dead or hung servers. The group is forgotten (see the module docstring); the other servers
-            may hold a mix of old and new tensors until the next push.
+            names the dead or hung servers. The group is forgotten (see the module docstring);
+            the other servers may hold a mix of old and new tensors until the next push.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     start = time.perf_counter()
