@@ -1,14 +1,18 @@
 """Generation throughput of our server vs ``model.generate``, and weight-update latency.
 
-Part 1 -- throughput on a mixed-length workload: ``--requests`` prompts of random token ids
-with prompt lengths and output lengths drawn uniformly from ``--prompt-len`` and
-``--output-len`` (seeded; EOS ignored, so every request produces exactly its own number of
-tokens). Same model, dtype, threads and sampling (temperature 1, no top-k/top-p) for:
+Part 1 -- throughput on a mixed-length RL workload: ``--prompts`` prompts of random token ids,
+each sampled ``--group-size`` times (the n samples of a GRPO group), with prompt lengths and
+per-sample output lengths drawn uniformly from ``--prompt-len`` and ``--output-len`` (seeded;
+EOS ignored, so every request produces exactly its own number of tokens). ``--group-size 1``
+gives distinct prompts. Same model, dtype, threads and sampling (temperature 1, no
+top-k/top-p) for:
 
-* ``server``: ``arealite.engine.server`` (continuous batching), all requests sent at once;
-* ``hf-batched``: one ``model.generate`` call on the left-padded batch; it must run to the
-  longest requested output, and only the requested tokens count as useful;
-* ``hf-sequential``: one ``model.generate`` per request (no padding waste, no batching).
+* ``server``: ``arealite.engine.server`` (continuous batching, packed prefill, a group's prompt
+  prefilled once), all requests sent at once;
+* ``hf-batched``: one ``model.generate`` call on the left-padded batch of all requests; it must
+  run to the longest requested output, and only the requested tokens count as useful;
+* ``hf-sequential`` (``--sequential``): one ``model.generate`` per request (no padding waste, no
+  batching).
 
 tokens/s = useful generated tokens / wall time.
 
@@ -16,9 +20,11 @@ Part 2 -- latency of one weight update of the whole model, trainer (``FSDPEngine
 one server: ``disk`` (save an HF folder + ``/update_weights_from_disk``) and ``distributed``
 (bucketed gloo/NCCL broadcast, first call includes creating the group).
 
-    python benchmarks/generation_throughput.py                    # SmolLM2-135M on CPU, ~3.5 min
+    python benchmarks/generation_throughput.py          # SmolLM2-135M on CPU, 4 x 8 requests, ~4 min
+    python benchmarks/generation_throughput.py --prompts 12 --group-size 1 --prompt-len 8 128 \\
+        --output-len 16 96 --skip-weight-update       # distinct prompts, short outputs
     python benchmarks/generation_throughput.py --model random-qwen2.5-0.5b --device cuda --dtype bfloat16 \\
-        --requests 64 --output-len 64 512
+        --prompts 16 --output-len 64 512
 """
 
 from __future__ import annotations
@@ -63,11 +69,12 @@ def random_qwen(path: str) -> str:
 
 
 def workload(args, vocab: int):
+    """``[(prompt token ids, output length)]``: ``group_size`` consecutive requests per prompt."""
     rng = random.Random(args.seed)
     reqs = []
-    for _ in range(args.requests):
-        p = rng.randint(*args.prompt_len)
-        reqs.append(([rng.randrange(100, vocab) for _ in range(p)], rng.randint(*args.output_len)))
+    for _ in range(args.prompts):
+        prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(*args.prompt_len))]
+        reqs += [(prompt, rng.randint(*args.output_len)) for _ in range(args.group_size)]
     return reqs
 
 
@@ -81,13 +88,19 @@ def start_server(args, model_path: str):
     port = _free_port()
     cmd = [sys.executable, "-m", "arealite.engine.server", "--model-path", model_path, "--port", str(port),
            "--num-threads", str(args.threads), "--dtype", args.dtype, "--device", args.device,
-           "--max-batch-size", str(args.requests)]
+           "--max-batch-size", str(args.prompts * args.group_size)]
     log = open(os.path.join(args.workdir, "server.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     addr = f"127.0.0.1:{port}"
     wait_healthy([addr], timeout=300, poll=0.5)
     return proc, addr
+
+
+def _get_json(addr: str, endpoint: str) -> dict:
+    from arealite.engine.remote import post_json
+
+    return post_json(addr, endpoint, method="GET")
 
 
 async def _server_run(addr: str, reqs) -> float:
@@ -133,7 +146,7 @@ def hf_runs(args, model_path, reqs) -> dict:
         _hf_generate(model, [p for p, _ in reqs], max(n for _, n in reqs))
         sync()
         out["hf-batched"] = time.perf_counter() - start
-        if not args.skip_sequential:
+        if args.sequential:
             start = time.perf_counter()
             for p, n in reqs:
                 _hf_generate(model, [p], n)
@@ -173,14 +186,15 @@ def weight_update_latency(args, model_path, addr) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="HF folder; '' = SmolLM2-135M-Instruct; 'random-qwen2.5-0.5b'")
-    p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 128])
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 96])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8, help="requests per prompt (GRPO's n)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[64, 256])
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256])
     p.add_argument("--threads", type=int, default=1, help="torch threads for the server and for HF")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 1024.0])
-    p.add_argument("--skip-sequential", action="store_true")
+    p.add_argument("--sequential", action="store_true", help="also time one generate per request")
     p.add_argument("--skip-weight-update", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -195,14 +209,18 @@ def main():
         vocab = json.load(f)["vocab_size"]
     reqs = workload(args, vocab)
     useful = sum(n for _, n in reqs)
-    print(f"model {model_path} on {args.device} ({args.dtype}, {args.threads} threads); {len(reqs)} requests, "
-          f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]} "
-          f"tokens ({useful} in total)", flush=True)
+    print(f"model {model_path} on {args.device} ({args.dtype}, {args.threads} threads); {args.prompts} prompts x "
+          f"{args.group_size} samples = {len(reqs)} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, "
+          f"output {args.output_len[0]}-{args.output_len[1]} tokens ({useful} in total)", flush=True)
 
     proc, addr = start_server(args, model_path)
     try:
         asyncio.run(_server_run(addr, reqs[:2]))  # warm-up
+        before = _get_json(addr, "/get_server_info")
         times = {"server": asyncio.run(_server_run(addr, reqs))}
+        after = _get_json(addr, "/get_server_info")
+        print("  server: " + ", ".join(f"{k} {after[k] - before[k]}" for k in
+                                       ("prefill_tokens", "shared_prefix_tokens", "decode_steps")), flush=True)
         times.update(hf_runs(args, model_path, reqs))
         for name, t in times.items():
             print(f"  {name:14s} {t:8.2f} s  {useful / t:9.1f} tokens/s  "

@@ -78,6 +78,8 @@ class WeightUpdateMeta:
         tp_size: "distributed": GPUs per server (each server joins with tp_size ranks).
         timeout_s: "distributed": a hung server fails the push after this long, per bucket and
             for the group setup [s] (``rollout.weight_sync_timeout``); a dead one fails at once.
+        backend: the servers' protocol, ``rollout.backend`` ("local" | "sglang" | "vllm"): which
+            requests carry the update (``arealite.engine.remote.ADAPTERS``).
     """
 
     type: str
@@ -87,6 +89,7 @@ class WeightUpdateMeta:
     bucket_bytes: int = 256 << 20
     tp_size: int = 1
     timeout_s: float = 600.0
+    backend: str = "local"
 
 
 @dataclass

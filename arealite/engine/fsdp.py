@@ -455,10 +455,11 @@ class FSDPEngine(TrainEngine):
         gather full tensors bucket by bucket and broadcast them from rank 0 to
         ``meta.addresses`` (:func:`arealite.engine.weight_sync.broadcast_weights`). Collective."""
         if meta.type == "distributed":
+            from arealite.engine.remote import ADAPTERS
             from arealite.engine.weight_sync import broadcast_weights
 
             broadcast_weights(self.model, meta.addresses, meta.version, meta.bucket_bytes, tp_size=meta.tp_size,
-                              timeout_s=meta.timeout_s)
+                              timeout_s=meta.timeout_s, adapter=ADAPTERS[meta.backend])
             return
         if meta.type != "disk":
             raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")

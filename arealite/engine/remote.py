@@ -347,9 +347,6 @@ class RemoteInferenceEngine(InferenceEngine):
             raise ValueError("rollout.addresses is empty: launch servers first or pass host:port addresses")
         if config.backend not in ADAPTERS:
             raise ValueError(f"rollout.backend={config.backend!r}: use one of {sorted(ADAPTERS)}")
-        if config.weight_sync == "distributed" and config.backend == "vllm":
-            raise ValueError("rollout.weight_sync=distributed is not supported with rollout.backend=vllm; "
-                             "use rollout.backend=sglang or local")
         if not config.weight_sync_timeout > 0:
             raise ValueError(f"rollout.weight_sync_timeout={config.weight_sync_timeout}: must be > 0 seconds "
                              "(the bound for a hung server during a distributed weight update)")
@@ -562,7 +559,7 @@ class RemoteInferenceEngine(InferenceEngine):
                                 addresses=[a for a in self.addresses if a not in self._excluded],
                                 tp_size=self.config.tp_size,
                                 bucket_bytes=int(self.config.weight_sync_bucket_mb * 2**20),
-                                timeout_s=self.config.weight_sync_timeout)
+                                timeout_s=self.config.weight_sync_timeout, backend=self.config.backend)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """"disk": every server loads the HF folder ``meta.path`` and reports ``meta.version``.
@@ -576,13 +573,15 @@ class RemoteInferenceEngine(InferenceEngine):
         if meta.type == "disk":
             endpoint, payload = self.adapter.disk_update(meta.path, meta.version)
             for reply in self._all_servers(endpoint, payload):
-                if not reply.get("success", False):
-                    raise ServerError(f"update_weights_from_disk failed: {reply}")
+                if not self.adapter.control_reply(reply).get("success", False):
+                    raise ServerError(f"{endpoint} failed: {reply}")
         elif meta.type == "distributed":
             for a in meta.addresses or self.live_addresses() or self.addresses:
-                info = post_json(a, "/get_model_info", timeout=30, retries=self.config.request_retries, method="GET")
-                if "weight_version" in info and str(info["weight_version"]) != str(meta.version):
-                    raise ServerError(f"{a} reports weight_version {info['weight_version']!r} after a distributed "
+                method, endpoint, body = self.adapter.weight_version_request
+                v = self.adapter.parse_weight_version(post_json(a, endpoint, body, timeout=30,
+                                                                retries=self.config.request_retries, method=method))
+                if v is not None and str(v) != str(meta.version):
+                    raise ServerError(f"{a} reports weight_version {v!r} after a distributed "
                                       f"update to version {meta.version}")
         else:
             raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from arealite.engine.remote import ServerError, post_json
+from arealite.engine.remote import SGLangAdapter, ServerError, post_control, post_json
 
 logger = logging.getLogger("arealite.weight_sync")
 
@@ -214,7 +214,7 @@ def _join_all(joins):
 
 
 def init_group(addresses: list[str], backend: str, tp_size: int = 1,
-               group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0):
+               group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0, adapter=SGLangAdapter):
     """Trainer rank 0: create the weight-update group with every server (cached per
     ``(addresses, group_name)``; :func:`forget_group` drops it).
 
@@ -233,10 +233,9 @@ def init_group(addresses: list[str], backend: str, tp_size: int = 1,
     world = len(addresses) * tp_size + 1
 
     def post_all():  # concurrently: each call returns only once every rank has joined
-        joins = [_run_concurrently(post_json, a, "/init_weights_update_group", {
-            "master_address": master, "master_port": port, "rank_offset": 1 + i * tp_size,
-            "world_size": world, "group_name": group_name, "backend": backend,
-        }, timeout_s, 1) for i, a in enumerate(addresses)]  # retries=1: not idempotent
+        joins = [_run_concurrently(post_control, adapter, a, adapter.init_group_request(
+            master, port, 1 + i * tp_size, world, group_name, backend), timeout_s, 1)
+            for i, a in enumerate(addresses)]  # retries=1: not idempotent
         replies = _join_all(joins)
         for a, r in zip(addresses, replies):
             if not r.get("success", False):
@@ -251,7 +250,7 @@ def init_group(addresses: list[str], backend: str, tp_size: int = 1,
     return pg
 
 
-def forget_group(addresses: list[str], group_name: str = DEFAULT_GROUP_NAME, notify=()) -> None:
+def forget_group(addresses: list[str], group_name: str = DEFAULT_GROUP_NAME, notify=(), adapter=SGLangAdapter) -> None:
     """Trainer rank 0: abort and drop the cached group of ``addresses`` (if any), then ask each
     server in ``notify`` to ``/destroy_weights_update_group`` (best effort, a warning on failure),
     so that a later :func:`init_group` with the same ``group_name`` is accepted.
@@ -280,8 +279,7 @@ def forget_group(addresses: list[str], group_name: str = DEFAULT_GROUP_NAME, not
         threading.Thread(target=release, daemon=True).start()
     for a in notify:
         try:
-            post_json(a, "/destroy_weights_update_group", {"group_name": group_name},
-                      timeout=HEALTH_PROBE_TIMEOUT, retries=1)
+            post_control(adapter, a, adapter.destroy_group_request(group_name), HEALTH_PROBE_TIMEOUT, 1)
         except ServerError as e:
             logger.warning("%s did not leave weight-update group %r: %s", a, group_name, e)
 
@@ -346,7 +344,7 @@ class _PushFailed(Exception):
 
 
 def _send_bucket(pg: WeightUpdateGroup, addresses: list[str], payload: dict, tensors, backend: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, adapter=SGLangAdapter) -> None:
     """Rank 0: post the bucket to every server (threads) and broadcast its tensors in order.
 
     Fails as soon as one server's call fails, a broadcast fails (gloo: a peer closed its
@@ -356,7 +354,7 @@ def _send_bucket(pg: WeightUpdateGroup, addresses: list[str], payload: dict, ten
         _PushFailed: with the cause and the servers already known to have failed.
     """
     deadline = time.monotonic() + timeout_s
-    joins = [_run_concurrently(post_json, a, "/update_weights_from_distributed", payload, timeout_s, 1)
+    joins = [_run_concurrently(post_control, adapter, a, adapter.update_distributed_request(payload), timeout_s, 1)
              for a in addresses]
 
     def abort_if():  # polled while broadcasting and while waiting for the replies
@@ -390,7 +388,8 @@ def _send_bucket(pg: WeightUpdateGroup, addresses: list[str], payload: dict, ten
 
 def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int,
                       bucket_bytes: int, backend: str | None = None, tp_size: int = 1,
-                      group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0) -> dict:
+                      group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0,
+                      adapter=SGLangAdapter) -> dict:
     """Push ``model``'s parameters to every server; collective over the default group.
 
     Every rank gathers the full tensors; rank 0 sends them bucket by bucket: one
@@ -447,7 +446,7 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
                      "failed a control call, see the log); restart the servers or fix rollout.addresses")
         else:
             try:
-                pg = init_group(addresses, backend, tp_size, group_name, timeout_s)
+                pg = init_group(addresses, backend, tp_size, group_name, timeout_s, adapter)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error, failed = fail("while creating the weight-update group", e)
     with torch.no_grad():
@@ -463,7 +462,7 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
                 "weight_version": version,
             }
             try:
-                _send_bucket(pg, addresses, payload, [t for _, t in bucket], backend, timeout_s)
+                _send_bucket(pg, addresses, payload, [t for _, t in bucket], backend, timeout_s, adapter)
             except _PushFailed as e:
                 error, failed = fail(f"at bucket {k + 1} ({stats['n_tensors']} tensors sent before it)", e)
                 continue
@@ -471,7 +470,7 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
             stats["n_tensors"] += len(bucket)
             stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
     if rank == 0 and error is not None and addresses:  # outside the except blocks (see forget_group)
-        forget_group(addresses, group_name, notify=[a for a in addresses if a not in failed])
+        forget_group(addresses, group_name, notify=[a for a in addresses if a not in failed], adapter=adapter)
     if dist.is_initialized():  # every rank learns rank 0's outcome (also a barrier)
         box = [(error, failed)]
         dist.broadcast_object_list(box, src=0)
