@@ -96,7 +96,7 @@ def test_server_killed_mid_broadcast_is_named_excluded_and_survivor_gets_retried
         return real_broadcast(*args, **kwargs)
 
     monkeypatch.setattr(ws, "broadcast_tensor", broadcast_then_kill)
-    attempts = []  # (meta, seconds, exception or None, survivor digests after a failure)
+    attempts = []  # (meta, seconds, exception or None, survivor digests and version after a failure)
     real_upload = actor.upload_weights
 
     def recording_upload(meta):
@@ -104,7 +104,8 @@ def test_server_killed_mid_broadcast_is_named_excluded_and_survivor_gets_retried
         try:
             real_upload(meta)
         except WeightSyncError as e:
-            attempts.append((meta, time.monotonic() - start, e, _server_digests(survivor, differing)))
+            attempts.append((meta, time.monotonic() - start, e, (_server_digests(survivor, differing), post_json(
+                survivor, "/get_model_info", method="GET")["weight_version"])))
             monkeypatch.setattr(ws, "broadcast_tensor", real_broadcast)  # the retry is not sabotaged
             raise
         attempts.append((meta, time.monotonic() - start, None, None))
@@ -120,8 +121,10 @@ def test_server_killed_mid_broadcast_is_named_excluded_and_survivor_gets_retried
     assert victim in str(error) and "version 1" in str(error)
     assert seconds < TIMEOUT_S  # a dead peer is detected from its closed connections, not by the timeout
     assert procs[1].poll() == -signal.SIGKILL
-    # The survivor loaded bucket 1 (the embedding) and nothing of the interrupted bucket 2.
-    assert partial == {n: expected[n] if n == "model.embed_tokens.weight" else initial[n] for n in differing}
+    # The survivor loaded bucket 1 (the embedding) and nothing of the interrupted bucket 2; only
+    # the last bucket carries the version, so it still reports version 0.
+    assert partial[0] == {n: expected[n] if n == "model.embed_tokens.weight" else initial[n] for n in differing}
+    assert partial[1] == 0
     assert not any(victim in key[0] for key in ws._GROUPS)  # the broken group is forgotten
 
     # Recovery: the victim is excluded; the retry went to the survivor alone and succeeded.

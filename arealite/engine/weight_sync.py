@@ -394,7 +394,8 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
 
     Every rank gathers the full tensors; rank 0 sends them bucket by bucket: one
     ``/update_weights_from_distributed`` request per server and bucket (posted from a thread)
-    plus one broadcast per tensor. Servers report ``weight_version=version`` afterwards.
+    plus one broadcast per tensor. The last bucket carries ``weight_version=version``, so a
+    server reports the new version only once it holds every new tensor.
 
     Args:
         model: the (FSDP-sharded or plain) model.
@@ -449,6 +450,11 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
                 pg = init_group(addresses, backend, tp_size, group_name, timeout_s, adapter)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error, failed = fail("while creating the weight-update group", e)
+    # Only the last bucket carries the version, so a server left half-updated by a failure keeps
+    # reporting its old version (the bucket count comes from shapes alone, before any gather).
+    n_buckets = sum(1 for _ in iter_buckets(
+        ((n, torch.empty(p.shape, dtype=p.dtype, device="meta")) for n, p in model.named_parameters()),
+        bucket_bytes))
     with torch.no_grad():
         for k, bucket in enumerate(iter_buckets(_full_tensors(model), bucket_bytes)):
             if rank != 0 or error is not None:
@@ -459,8 +465,9 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
                 "shapes": [list(t.shape) for _, t in bucket],
                 "group_name": group_name,
                 "flush_cache": True,
-                "weight_version": version,
             }
+            if k == n_buckets - 1:
+                payload["weight_version"] = version
             try:
                 _send_bucket(pg, addresses, payload, [t for _, t in bucket], backend, timeout_s, adapter)
             except _PushFailed as e:
