@@ -169,3 +169,59 @@ def test_inverse_cdf_sampling_frequencies():
     freq = torch.bincount(nucleus, minlength=4).float() / n  # keeps {0, 1}: 0.5 + 0.3 >= 0.7
     assert freq[2:].sum() == 0
     assert torch.allclose(freq[:2], torch.tensor([0.625, 0.375]), atol=0.01)
+
+
+def test_next_turn_reuses_the_finished_turns_kv():
+    """Turn 2 = turn 1's prompt + output + 5 new tokens: the whole blocks (16 tokens) of turn 1's
+    KV come from the prefix store, only the rest is prefilled, and the result equals HF. After
+    a weight load the store is empty and everything is prefilled again."""
+    ref = _model()
+    sched = Scheduler(_model(), max_batch_size=4)
+    turn1 = _prompt(40, 7)
+    out1 = _run(sched, [(turn1, _greedy(12))])[0]["output_ids"]
+    assert len(sched.prefix_store) == 1  # 51 cached tokens -> 48 kept (3 blocks)
+    turn2 = turn1 + out1 + _prompt(5, 8)  # 57 tokens
+    before = dict(sched.stats)
+    reply = _run(sched, [(turn2, _greedy(8))])[0]
+    assert sched.stats["cached_prefix_tokens"] - before["cached_prefix_tokens"] == 48
+    assert sched.stats["prefill_tokens"] - before["prefill_tokens"] == 56 - 48
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([turn2]), do_sample=False, max_new_tokens=8,
+                          min_new_tokens=8, pad_token_id=0)[0, 57:].tolist()
+    assert reply["output_ids"] == hf
+    assert _logprobs(reply) == pytest.approx(_reference_logprobs(ref, turn2, hf), abs=1e-5)
+
+    async def load():
+        future = sched.submit("load_tensors", (dict(_model(1).state_dict()), 1))
+        while not future.done():
+            sched.step()
+            await asyncio.sleep(0)
+    asyncio.run(load())
+    assert len(sched.prefix_store) == 0
+    before = dict(sched.stats)
+    reply = _run(sched, [(turn2, _greedy(8))])[0]
+    assert sched.stats["cached_prefix_tokens"] == before["cached_prefix_tokens"]
+    assert sched.stats["prefill_tokens"] - before["prefill_tokens"] == 56
+    assert _logprobs(reply) == pytest.approx(
+        _reference_logprobs(_model(1), turn2, reply["output_ids"]), abs=1e-5)
+
+
+def test_prefix_store_longest_match_and_lru_eviction():
+    from arealite.engine.server import PrefixStore
+
+    store = PrefixStore(max_tokens=64, block=4)
+    kv = lambda n, fill: [torch.full((2, n, 3), float(fill))]  # noqa: E731 - one layer [H, n, D]
+    a = list(range(100, 120))  # 20 tokens
+    store.insert(a, kv(20, 1), kv(20, -1))
+    b = a[:8] + list(range(200, 210))  # shares 2 blocks with a, 18 tokens -> 16 kept
+    store.insert(b, kv(18, 2), kv(18, -2))
+    n, k, v = store.lookup(a[:13] + [999], limit=14)  # 3 whole blocks of a match
+    assert n == 12 and k[0].shape == (2, 12, 3) and k[0].eq(1).all() and v[0].eq(-1).all()
+    n, k, _ = store.lookup(b + [5], limit=19)
+    assert n == 16 and k[0].eq(2).all()
+    assert store.lookup(a, limit=3)[0] == 0  # less than one block allowed
+    assert store.lookup([7] * 20, limit=20)[0] == 0
+    store.lookup(a, limit=20)  # a is now the most recently used
+    store.insert(list(range(300, 332)), kv(32, 3), kv(32, -3))  # 20 + 16 + 32 > 64: evict b
+    assert len(store) == 2 and store.lookup(b, limit=18)[0] == 8  # only a's shared blocks left
+    assert store.lookup(a, limit=20)[0] == 20

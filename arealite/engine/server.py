@@ -24,8 +24,8 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
   GPU), see :mod:`arealite.engine.weight_sync`.
 
 Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA, input logprobs,
-tensor parallelism, sliding-window attention (refused at start-up), a prefix cache that
-outlives its request (SGLang's radix cache).
+tensor parallelism, sliding-window attention (refused at start-up), sharing KV blocks in
+place between rows (prefixes are copied; SGLang's radix cache and vLLM's paged blocks share).
 
 Design: the model lives in ONE scheduler thread.  HTTP handlers (aiohttp, event-loop thread)
 put messages on a thread-safe queue and await an asyncio future that the scheduler resolves
@@ -36,8 +36,10 @@ left-aligned, written in place by an attention function registered in transforme
 ``AttentionInterface`` (``slot_attention``), so the HF model code runs unchanged while the
 server owns the cache: prefill is packed without padding, decode attends over each row's own
 length, nothing is concatenated per step, and requests with the same prompt (the samples of
-a GRPO group) share one prefill.  Position ids are each row's own token positions, so a row
-computes what it would compute alone (up to float rounding).
+a GRPO group) share one prefill.  Finished requests leave their KV in a ``PrefixStore`` (LRU,
+``--prefix-cache-tokens``), so the next turn of a multi-turn episode prefills only its new
+tokens.  Position ids are each row's own token positions, so a row computes what it would
+compute alone (up to float rounding).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -367,6 +370,85 @@ class SlotKVCache:
         self.k, self.v = [], []
 
 
+class PrefixStore:
+    """KV of finished requests, kept for later requests that start with the same tokens (the
+    next turn of a multi-turn episode, a resubmitted partial rollout, a late sample of a group).
+
+    Entries are indexed per block of ``block`` tokens by a chained hash (block ``i``'s key
+    covers tokens ``[0, (i+1)·block)``), so a lookup walks the new prompt's blocks once and finds
+    the longest block-aligned prefix held by any entry; the tokens are compared before use (no
+    trust in hashes). Each entry holds per-layer ``[kv_heads, n, head_dim]`` key/value copies.
+    Least recently used entries are evicted beyond ``max_tokens`` cached tokens; everything is
+    dropped at a weight update (the scheduler calls :meth:`clear`).
+    """
+
+    def __init__(self, max_tokens: int, block: int = 16):
+        self.max_tokens, self.block = max_tokens, block
+        self._entries: OrderedDict = OrderedDict()  # id -> (tokens tuple, k list, v list, hashes)
+        self._index: dict = {}  # chained block hash -> {entry id: tokens covered}, oldest first
+        self._tokens = 0
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _hashes(self, tokens):
+        h = 0
+        for end in range(self.block, len(tokens) + 1, self.block):
+            h = hash((h, tuple(tokens[end - self.block:end])))
+            yield h, end
+
+    def insert(self, tokens, k_layers, v_layers) -> None:
+        """Keep ``k_layers``/``v_layers`` (per layer ``[kv_heads, len(tokens), head_dim]``, owned
+        by the store from now on) as the KV of ``tokens``. Prefixes shorter than one block, or
+        longer than ``max_tokens``, are not kept."""
+        n = len(tokens) // self.block * self.block
+        if n == 0 or n > self.max_tokens:
+            return
+        eid, self._next_id = self._next_id, self._next_id + 1
+        hashes = []
+        for h, end in self._hashes(tokens[:n]):
+            self._index.setdefault(h, {})[eid] = end
+            hashes.append(h)
+        self._entries[eid] = (tuple(tokens[:n]), [k[:, :n] for k in k_layers],
+                              [v[:, :n] for v in v_layers], hashes)
+        self._tokens += n
+        while self._tokens > self.max_tokens:
+            self._evict(next(iter(self._entries)))
+
+    def _evict(self, eid) -> None:
+        tokens, _, _, hashes = self._entries.pop(eid)
+        self._tokens -= len(tokens)
+        for h in hashes:
+            holders = self._index[h]
+            del holders[eid]
+            if not holders:
+                del self._index[h]
+
+    def lookup(self, tokens, limit: int):
+        """The longest block-aligned cached prefix of ``tokens`` of at most ``limit`` tokens:
+        ``(n, k_layers, v_layers)`` with views of ``n`` positions, or ``(0, None, None)``."""
+        best = None
+        for h, end in self._hashes(tokens[:limit]):
+            holders = self._index.get(h)
+            if not holders:
+                break
+            best = (next(reversed(holders)), end)  # the newest entry holding this prefix
+        if best is None:
+            return 0, None, None
+        eid, n = best
+        entry = self._entries[eid]
+        if entry[0][:n] != tuple(tokens[:n]):  # a hash collision
+            return 0, None, None
+        self._entries.move_to_end(eid)
+        return n, [k[:, :n] for k in entry[1]], [v[:, :n] for v in entry[2]]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._index.clear()
+        self._tokens = 0
+
+
 class _StepContext:
     """What the attention function needs for one forward: either a decode step (``rows``
     query tokens, one per row, at positions ``pos``) or a packed prefill (``segments``)."""
@@ -487,13 +569,18 @@ class Scheduler:
     in the same batched step as everyone else's. Prefix sharing: a request whose
     ``input_ids[:-1]`` equal those of a running row (or of an earlier request of the same
     admission, e.g. the ``n`` samples of a GRPO group) copies that row's KV instead of
-    recomputing it, provided the KV was computed with the current weights.
+    recomputing it, provided the KV was computed with the current weights. A request that
+    starts with the tokens of a finished one (prompt + output, whole 16-token blocks) takes
+    that KV from the :class:`PrefixStore` and prefills only the rest. A weight load empties
+    the store.
     """
 
     def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0,
-                 decode_step_delay: float = 0.0, tokenizer=None, max_prefill_tokens: int = 1024):
-        if max_batch_size < 1 or max_prefill_tokens < 1:
-            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+                 decode_step_delay: float = 0.0, tokenizer=None, max_prefill_tokens: int = 1024,
+                 prefix_cache_tokens: int = 8192):
+        if max_batch_size < 1 or max_prefill_tokens < 1 or prefix_cache_tokens < 0:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1, "
+                             "prefix_cache_tokens >= 0")
         self.model = model
         self.tokenizer = tokenizer  # optional: stop strings and the reply's "text"
         self.max_batch_size = max_batch_size
@@ -522,12 +609,14 @@ class Scheduler:
         _register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._weights_epoch = 0  # +1 at every weight load: KV computed before is not shared
+        self.prefix_store = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens else None
         self._queue: queue.Queue = queue.Queue()
         self._waiting: list[Request] = []
         self._rows: list[Request] = []  # running requests; row i of the KV cache is _rows[i]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-        self.stats = {"prefill_tokens": 0, "shared_prefix_tokens": 0, "decode_steps": 0}
+        self.stats = {"prefill_tokens": 0, "shared_prefix_tokens": 0, "cached_prefix_tokens": 0,
+                      "decode_steps": 0}
         self._self_check()
 
     def _self_check(self):
@@ -618,7 +707,7 @@ class Scheduler:
             except Exception as exc:
                 _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
                 return
-            self._weights_epoch += 1
+            self._new_weights()
             if version is not None:
                 self.weight_version = version
             _resolve(msg.loop, msg.future, (200, {
@@ -630,7 +719,7 @@ class Scheduler:
             except Exception as exc:
                 _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
                 return
-            self._weights_epoch += 1
+            self._new_weights()
             if version is not None:
                 self.weight_version = version
             message = f"Succeeded to update model weights ({n} tensors from {path})."
@@ -640,6 +729,12 @@ class Scheduler:
                 "success": True, "message": message, "num_paused_requests": 0}))
         else:
             raise ValueError(f"unknown message kind {msg.kind!r}")
+
+    def _new_weights(self) -> None:
+        """KV computed with the old weights must not be reused from now on."""
+        self._weights_epoch += 1
+        if self.prefix_store is not None:
+            self.prefix_store.clear()
 
     def _abort_all(self) -> int:
         n = 0
@@ -672,11 +767,14 @@ class Scheduler:
         owners = {tuple(r.input_ids[:-1]): i for i, r in enumerate(self._rows)
                   if r.kv_epoch == self._weights_epoch}
         first_new = len(self._rows)
-        budget, segments, copies = self.max_prefill_tokens, [], []
+        budget, segments, copies, restores = self.max_prefill_tokens, [], [], []
         while self._waiting and len(self._rows) < self.max_batch_size:
             req = self._waiting[0]
             key = tuple(req.input_ids[:-1])
-            need = 0 if key in owners or not key else len(key)
+            cached, k_layers, v_layers = 0, None, None
+            if key and key not in owners and self.prefix_store is not None:
+                cached, k_layers, v_layers = self.prefix_store.lookup(key, len(key))
+            need = 0 if key in owners else len(key) - cached
             if need > budget and len(self._rows) > first_new:
                 break
             self._waiting.pop(0)
@@ -687,25 +785,34 @@ class Scheduler:
                 self.stats["shared_prefix_tokens"] += len(key)
             elif key:
                 owners[key] = row
-                segments.append((row, len(key), req.input_ids[:-1]))
-                budget -= len(key)
+                if cached:
+                    restores.append((row, k_layers, v_layers))
+                    self.stats["cached_prefix_tokens"] += cached
+                if need:
+                    segments.append((row, cached, key[cached:]))
+                    budget -= need
             self._rows.append(req)
         self.cache.ensure(len(self._rows), max(r.kv_len for r in self._rows) + 1,
                           first_new, max((r.kv_len for r in self._rows[:first_new]), default=0))
+        for row, k_layers, v_layers in restores:  # before the prefill, which attends over them
+            for buf, kv in zip(self.cache.k + self.cache.v, k_layers + v_layers):
+                buf[row, :, :kv.shape[1]] = kv
         self._prefill(segments)
         for src, dst, length in copies:  # after the prefill: sources may be new rows
             self.cache.copy_row(src, dst, length)
-        logger.debug("admitted %d requests (%d prefilled, %d shared); %d running",
-                     len(self._rows) - first_new, len(segments), len(copies), len(self._rows))
+        logger.debug("admitted %d requests (%d prefilled, %d from the prefix store, %d shared); "
+                     "%d running", len(self._rows) - first_new, len(segments), len(restores),
+                     len(copies), len(self._rows))
 
     def _prefill(self, segments):
-        """Compute the KV of ``segments`` (``(row, length, token ids)``), packed into forwards of
-        at most ``max_prefill_tokens`` tokens; a prompt longer than that is split into chunks
-        that continue at the right positions."""
+        """Compute the KV of ``segments`` (``(row, start, token ids)``: the ids go to positions
+        ``start, start+1, ...`` of the row, whose positions before ``start`` are already cached),
+        packed into forwards of at most ``max_prefill_tokens`` tokens; a longer segment is split
+        into chunks that continue at the right positions."""
         pieces = []  # (row, start, ids)
-        for row, length, ids in segments:
-            for start in range(0, length, self.max_prefill_tokens):
-                pieces.append((row, start, ids[start:start + self.max_prefill_tokens]))
+        for row, first, ids in segments:
+            for off in range(0, len(ids), self.max_prefill_tokens):
+                pieces.append((row, first + off, list(ids[off:off + self.max_prefill_tokens])))
         while pieces:
             chunk, total = [], 0
             while pieces and (not chunk or total + len(pieces[0][2]) <= self.max_prefill_tokens):
@@ -756,6 +863,7 @@ class Scheduler:
         # Finished rows leave; the last row moves into each hole (one row copy).
         for i in range(len(self._rows) - 1, -1, -1):
             if self._rows[i].finished:
+                self._keep_prefix(i)
                 last = len(self._rows) - 1
                 if i != last:
                     self.cache.copy_row(last, i, self._rows[last].kv_len)
@@ -763,6 +871,17 @@ class Scheduler:
                 self._rows.pop()
         if not self._rows and not self._waiting:
             self.cache.release()
+
+    def _keep_prefix(self, row: int) -> None:
+        """Copy a finished row's KV (prompt + output but the last token, whole blocks only)
+        into the prefix store, for a later request that continues this conversation."""
+        req, store = self._rows[row], self.prefix_store
+        n = req.kv_len // store.block * store.block if store is not None else 0
+        if n == 0 or n > store.max_tokens or req.kv_epoch != self._weights_epoch:
+            return
+        tokens = (req.input_ids + req.output_ids)[:n]
+        store.insert(tokens, [k[row, :, :n].clone() for k in self.cache.k],
+                     [v[row, :, :n].clone() for v in self.cache.v])
 
     def _sample_and_append(self, reqs, logits):
         """Sample a token for each row, record it and finish rows that hit a stop condition."""
@@ -909,7 +1028,8 @@ class Server:
     async def get_server_info(self, request: web.Request) -> web.Response:
         """``GET /get_server_info`` -> scheduler counters since start: ``prefill_tokens``
         (prompt tokens run through the model), ``shared_prefix_tokens`` (prompt tokens whose KV
-        was copied from another row instead), ``decode_steps``; plus ``running_requests``,
+        was copied from a running row instead), ``cached_prefix_tokens`` (copied from the
+        prefix store of finished requests), ``decode_steps``; plus ``running_requests``,
         ``waiting_requests`` and ``max_prefill_tokens``. Read without locking (a snapshot)."""
         sched = self.scheduler
         return web.json_response({**sched.stats, "running_requests": len(sched._rows),
@@ -1102,6 +1222,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-size", type=int, default=64, help="most running requests")
     p.add_argument("--max-prefill-tokens", type=int, default=1024,
                    help="prompt tokens prefilled per scheduler iteration (and per forward)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=8192,
+                   help="KV of finished requests kept for later requests with the same prefix "
+                        "(e.g. the next turn of an episode) [tokens]; 0 = off")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--weight-version", type=int, default=0)
@@ -1135,7 +1258,8 @@ def main(argv=None):
     except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
         tokenizer = None
     scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version,
-                          args.decode_step_delay, tokenizer, args.max_prefill_tokens)
+                          args.decode_step_delay, tokenizer, args.max_prefill_tokens,
+                          args.prefix_cache_tokens)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)
