@@ -16,6 +16,12 @@ top-k/top-p) for:
 
 tokens/s = useful generated tokens / wall time.
 
+With ``--turns T`` every request is an episode of T turns: turn t+1's prompt is turn t's prompt +
+its output + ``--feedback-len`` random "environment" tokens (the same output length each turn).
+``server`` then keeps finished turns' KV in its prefix store; ``server-no-prefix-store`` is a
+second server started with ``--prefix-cache-tokens 0``; ``hf-batched`` runs one padded
+``generate`` per turn over the full histories.
+
 Part 2 -- latency of one weight update of the whole model, trainer (``FSDPEngine``, 1 rank) to
 one server: ``disk`` (save an HF folder + ``/update_weights_from_disk``) and ``distributed``
 (bucketed gloo/NCCL broadcast, first call includes creating the group).
@@ -23,6 +29,8 @@ one server: ``disk`` (save an HF folder + ``/update_weights_from_disk``) and ``d
     python benchmarks/generation_throughput.py          # SmolLM2-135M on CPU, 4 x 8 requests, ~4 min
     python benchmarks/generation_throughput.py --prompts 12 --group-size 1 --prompt-len 8 128 \\
         --output-len 16 96 --skip-weight-update       # distinct prompts, short outputs
+    python benchmarks/generation_throughput.py --prompts 12 --group-size 1 --output-len 16 96 \\
+        --turns 3 --skip-weight-update                # multi-turn episodes, prefix store on/off
     python benchmarks/generation_throughput.py --model random-qwen2.5-0.5b --device cuda --dtype bfloat16 \\
         --prompts 16 --output-len 64 512
 """
@@ -84,11 +92,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, model_path: str):
+def start_server(args, model_path: str, *extra: str):
     port = _free_port()
     cmd = [sys.executable, "-m", "arealite.engine.server", "--model-path", model_path, "--port", str(port),
            "--num-threads", str(args.threads), "--dtype", args.dtype, "--device", args.device,
-           "--max-batch-size", str(args.prompts * args.group_size)]
+           "--max-batch-size", str(args.prompts * args.group_size), *extra]
     log = open(os.path.join(args.workdir, "server.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
@@ -103,18 +111,26 @@ def _get_json(addr: str, endpoint: str) -> dict:
     return post_json(addr, endpoint, method="GET")
 
 
-async def _server_run(addr: str, reqs) -> float:
+def _feedback(args, turn: int, episode: int) -> list[int]:
+    rng = random.Random(f"{args.seed}-{turn}-{episode}")
+    return [rng.randrange(100, 1000) for _ in range(args.feedback_len)]
+
+
+async def _server_run(addr: str, reqs, args) -> float:
+    """All requests at once, ``args.turns`` turns each; returns the wall time [s]."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as sess:
-        async def one(ids, n):
-            body = {"input_ids": ids, "return_logprob": True,
-                    "sampling_params": {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True}}
-            async with sess.post(f"http://{addr}/generate", json=body) as r:
-                out = await r.json()
-            assert len(out["output_ids"]) == n, out["meta_info"]
+        async def episode(i, ids, n):
+            for turn in range(args.turns):
+                body = {"input_ids": ids, "return_logprob": True,
+                        "sampling_params": {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True}}
+                async with sess.post(f"http://{addr}/generate", json=body) as r:
+                    out = await r.json()
+                assert len(out["output_ids"]) == n, out["meta_info"]
+                ids = ids + out["output_ids"] + _feedback(args, turn, i)
         start = time.perf_counter()
-        await asyncio.gather(*[one(ids, n) for ids, n in reqs])
+        await asyncio.gather(*[episode(i, ids, n) for i, (ids, n) in enumerate(reqs)])
         return time.perf_counter() - start
 
 
@@ -129,9 +145,11 @@ def _hf_generate(model, prompts, n):
                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
                          eos_token_id=None, pad_token_id=0)
     assert out.shape[1] == width + n
+    return out[:, width:].tolist()
 
 
 def hf_runs(args, model_path, reqs) -> dict:
+    """Wall times [s] of ``hf-batched`` (and ``hf-sequential``) on the same workload."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -143,10 +161,14 @@ def hf_runs(args, model_path, reqs) -> dict:
         _hf_generate(model, [reqs[0][0]], 2)  # warm-up
         sync()
         start = time.perf_counter()
-        _hf_generate(model, [p for p, _ in reqs], max(n for _, n in reqs))
+        histories = [p for p, _ in reqs]
+        for turn in range(args.turns):  # the longest request sets the length; keep each one's own
+            outputs = _hf_generate(model, histories, max(n for _, n in reqs))
+            histories = [h + o[:n] + _feedback(args, turn, i)
+                         for i, (h, o, (_, n)) in enumerate(zip(histories, outputs, reqs))]
         sync()
         out["hf-batched"] = time.perf_counter() - start
-        if args.sequential:
+        if args.sequential and args.turns == 1:
             start = time.perf_counter()
             for p, n in reqs:
                 _hf_generate(model, [p], n)
@@ -195,6 +217,8 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 1024.0])
     p.add_argument("--sequential", action="store_true", help="also time one generate per request")
+    p.add_argument("--turns", type=int, default=1, help="turns per episode (multi-turn workload)")
+    p.add_argument("--feedback-len", type=int, default=16, help="environment tokens between turns")
     p.add_argument("--skip-weight-update", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -208,22 +232,30 @@ def main():
     with open(os.path.join(model_path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     reqs = workload(args, vocab)
-    useful = sum(n for _, n in reqs)
+    useful = sum(n for _, n in reqs) * args.turns
     print(f"model {model_path} on {args.device} ({args.dtype}, {args.threads} threads); {args.prompts} prompts x "
           f"{args.group_size} samples = {len(reqs)} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, "
-          f"output {args.output_len[0]}-{args.output_len[1]} tokens ({useful} in total)", flush=True)
+          f"output {args.output_len[0]}-{args.output_len[1]} tokens, {args.turns} turn(s) ({useful} generated "
+          "in total)", flush=True)
 
     proc, addr = start_server(args, model_path)
     try:
-        asyncio.run(_server_run(addr, reqs[:2]))  # warm-up
-        before = _get_json(addr, "/get_server_info")
-        times = {"server": asyncio.run(_server_run(addr, reqs))}
-        after = _get_json(addr, "/get_server_info")
-        print("  server: " + ", ".join(f"{k} {after[k] - before[k]}" for k in
-                                       ("prefill_tokens", "shared_prefix_tokens", "decode_steps")), flush=True)
+        times = {}
+        for name, flags in [("server", ())] + [("server-no-prefix-store", ("--prefix-cache-tokens", "0"))] * (
+                args.turns > 1):
+            if flags:
+                proc.terminate()
+                proc.wait(timeout=30)
+                proc, addr = start_server(args, model_path, *flags)
+            asyncio.run(_server_run(addr, [(reqs[0][0][:8], 2)], args))  # warm-up
+            before = _get_json(addr, "/get_server_info")
+            times[name] = asyncio.run(_server_run(addr, reqs, args))
+            after = _get_json(addr, "/get_server_info")
+            print(f"  {name}: " + ", ".join(f"{k} {after[k] - before[k]}" for k in (
+                "prefill_tokens", "shared_prefix_tokens", "cached_prefix_tokens", "decode_steps")), flush=True)
         times.update(hf_runs(args, model_path, reqs))
         for name, t in times.items():
-            print(f"  {name:14s} {t:8.2f} s  {useful / t:9.1f} tokens/s  "
+            print(f"  {name:22s} {t:8.2f} s  {useful / t:9.1f} tokens/s  "
                   f"(server speed-up {t / times['server']:.2f}x)", flush=True)
         if not args.skip_weight_update:
             lat = weight_update_latency(args, model_path, addr)

@@ -109,6 +109,25 @@ def test_upload_weights_distributed_through_engine(setup):
         rollout.update_weights(rollout.weight_update_meta("", version=5))  # nobody pushed v5
 
 
+def test_restarted_trainer_rejoins_under_the_same_group_name(setup):
+    """A new trainer process knows nothing of the old group; the servers still hold one of the
+    same name. Its first push must replace that group, not be refused."""
+    from arealite.engine import weight_sync as ws
+
+    rollout, actor, model_a, model_b = setup
+    rollout.update_weights(WeightUpdateMeta(type="disk", path=model_a, version=0))
+    assert ws._GROUPS  # the earlier pushes left a group on the trainer side and on the servers
+    ws._GROUPS.clear()  # what a restarted trainer starts with (the old group is freed)
+    rollout.config.weight_sync_bucket_mb = 1024
+    meta = rollout.weight_update_meta("", version=6)
+    actor.upload_weights(meta)
+    rollout.update_weights(meta)
+    trainer = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in actor.model.named_parameters()}
+    for addr in rollout.addresses:
+        assert _server_digests(addr, list(trainer)) == {n: _digest(t) for n, t in trainer.items()}
+    assert _greedy(rollout.addresses[0])[0] == _hf_greedy(model_b)
+
+
 def test_bad_distributed_requests_are_rejected_before_receiving(setup):
     addr = setup[0].addresses[0]
     with pytest.raises(ServerError, match="no weight-update group 'nope'"):

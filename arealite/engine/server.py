@@ -1097,6 +1097,7 @@ class Server:
         Joins the trainer's weight-update group at rank ``rank_offset`` (no tensor
         parallelism here) and replies once every rank has joined: ``{"success": true,
         "message"}``; 400 ``{"success": false, "message"}`` on bad fields or a failed join.
+        A group of the same name is replaced (a restarted trainer).
         """
         from arealite.engine.weight_sync import DEFAULT_GROUP_NAME, new_weight_update_group
 
@@ -1116,8 +1117,10 @@ class Server:
                               "1 <= rank_offset < world_size (rank 0 is the trainer)")
         if backend == "nccl" and self.scheduler.device.type != "cuda":
             return self._fail("backend 'nccl' needs a GPU server; use 'gloo' on CPU")
-        if name in self.groups:
-            return self._fail(f"group {name!r} exists; destroy it first")
+        if self.groups.pop(name, None) is not None:
+            # A restarted trainer re-creates its group under the same name: the old one is dead.
+            # Dropping the last reference frees it, which also unblocks a receive stuck in it.
+            logger.warning("replacing weight-update group %r (a new trainer joined)", name)
         loop = asyncio.get_running_loop()
         try:
             pg = await loop.run_in_executor(None, new_weight_update_group, address, port, rank,
