@@ -220,7 +220,7 @@ def _sample_rows(weights, generator):
     """One index per row of ``weights`` ``[B, V]`` (non-negative, unnormalised), drawn with
     probability proportional to the weight by inverse-CDF sampling: ``searchsorted(cumsum(w),
     u * sum(w))``, ``u ~ U[0, 1)``. Same distribution as ``torch.multinomial(weights, 1)``, which
-    is ~10x slower on CPU for a 50k vocabulary. Zero-weight entries are never picked."""
+    takes ~3x as long on CPU for a 49k vocabulary (16 rows: 17 ms vs 6 ms). Zero-weight entries are never picked."""
     cdf = weights.cumsum(dim=-1)
     u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device,
                    dtype=cdf.dtype) * cdf[:, -1:]
