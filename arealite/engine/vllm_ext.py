@@ -160,16 +160,7 @@ class WeightUpdateExtension:
         except Exception as e:  # noqa: BLE001
             logger.exception("receiving weights failed")
             return self._arealite_reply(False, f"receiving {len(names)} tensors failed: {e!r}")
-        try:
-            with torch.no_grad():
-                self.model_runner.model.load_weights(weights=received)
-        except Exception as e:  # noqa: BLE001
-            logger.exception("loading received weights failed")
-            return self._arealite_reply(False, f"loading {len(names)} tensors failed ({e!r}); the weights may be "
-                                               "partly updated: push again or reload from disk")
-        if weight_version is not None:
-            self._arealite_version = int(weight_version)
-        return self._arealite_reply(True, f"loaded {len(names)} tensors")
+        return self._arealite_load(received, f"{len(names)} tensors", weight_version)
 
     def arealite_update_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
         """Load every tensor of the HF folder ``model_path`` (``*.safetensors``) into the model.
@@ -181,16 +172,21 @@ class WeightUpdateExtension:
             return self._arealite_reply(False, f"model_path {model_path!r} is not a folder on this server")
         if not glob.glob(os.path.join(model_path, "*.safetensors")):
             return self._arealite_reply(False, f"no *.safetensors file in {model_path!r}")
+        return self._arealite_load(iter_safetensors(model_path), repr(model_path), weight_version)
+
+    def _arealite_load(self, weights, what: str, weight_version: int | None) -> dict:
+        """``model_runner.model.load_weights(weights)`` (``(HF name, tensor)`` pairs); on success
+        the version becomes ``weight_version`` (if given)."""
         try:
             with torch.no_grad():
-                self.model_runner.model.load_weights(weights=iter_safetensors(model_path))
+                self.model_runner.model.load_weights(weights=weights)
         except Exception as e:  # noqa: BLE001
-            logger.exception("loading weights from disk failed")
-            return self._arealite_reply(False, f"loading {model_path!r} failed ({e!r}); the weights may be "
-                                               "partly updated: load again")
+            logger.exception("loading %s failed", what)
+            return self._arealite_reply(False, f"loading {what} failed ({e!r}); the weights may be partly "
+                                               "updated: push or load again")
         if weight_version is not None:
             self._arealite_version = int(weight_version)
-        return self._arealite_reply(True, f"loaded {model_path!r}")
+        return self._arealite_reply(True, f"loaded {what}")
 
     def arealite_destroy_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         """Forget the group (its process group is released with the last reference)."""
