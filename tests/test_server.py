@@ -283,7 +283,7 @@ def test_error_messages_say_how_to_fix():
                                has_tokenizer=False)
     _, params, _, _ = parse_generate_request({"input_ids": [1], "sampling_params": {"stop": "x"}}, VOCAB, 256)
     assert params.stop == ("x",)
-    with pytest.raises(ValueError, match="send n requests"):
+    with pytest.raises(ValueError, match="one request per sample"):
         parse_generate_request({"input_ids": [1], "sampling_params": {"n": 4}}, VOCAB, 256)
     ids, params, logprob, rid = parse_generate_request(
         {"input_ids": [1], "sampling_params": {"frequency_penalty": 1.0}, "rid": "x"},
@@ -385,3 +385,27 @@ def test_sample_next_tokens_filters_per_row():
             seen[row].add(t)
         assert torch.allclose(logprobs, logits[0, tokens], atol=1e-6)
     assert seen == [{0}, {0, 1}, {0}]
+
+
+def test_client_that_goes_away_frees_its_row(server):
+    """A /generate whose client disconnects (here: a 0.3 s client timeout on a >= 1 s request)
+    is aborted on the server instead of running to max_new_tokens."""
+    with pytest.raises(OSError):  # socket.timeout / TimeoutError
+        _post(server + "/generate", {"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}}, timeout=0.3)
+    deadline = time.time() + 0.6
+    while _get(server + "/get_server_info")["running_requests"] and time.time() < deadline:
+        time.sleep(0.05)
+    info = _get(server + "/get_server_info")
+    assert info["running_requests"] == 0 and info["waiting_requests"] == 0
+
+
+def test_weight_version_as_string_and_bad_truncate_size(server, models):
+    status, out = _post(server + "/update_weights_from_disk",
+                        {"model_path": models["a"][1], "weight_version": "0"})
+    assert status == 200 and out["success"], out
+    status, out = _post(server + "/update_weights_from_disk",
+                        {"model_path": models["a"][1], "weight_version": "v1"})
+    assert status == 400 and "weight_version" in out["message"]
+    status, out = _post(server + "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "x"})
+    assert status == 400 and out["error"]["field"] == "truncate_size"

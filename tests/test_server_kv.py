@@ -225,3 +225,64 @@ def test_prefix_store_longest_match_and_lru_eviction():
     store.insert(list(range(300, 332)), kv(32, 3), kv(32, -3))  # 20 + 16 + 32 > 64: evict b
     assert len(store) == 2 and store.lookup(b, limit=18)[0] == 8  # only a's shared blocks left
     assert store.lookup(a, limit=20)[0] == 20
+
+
+def test_cache_shrinks_after_long_rows_leave_and_the_survivor_is_unchanged():
+    """8 rows sized for a 250-token prompt; once only one short row is left, the buffers are
+    reallocated to 1 row x 128 tokens, and that row decodes exactly as it does alone."""
+    sched = Scheduler(_model(), max_batch_size=8)
+    survivor = (_prompt(2, 20), _greedy(40))
+    requests = [(_prompt(250, 21), _greedy(2)), survivor] + [(_prompt(2, 22 + i), _greedy(3)) for i in range(6)]
+
+    async def main():
+        futures = [sched.submit("generate", (f"r{i}", ids, p, True)) for i, (ids, p) in enumerate(requests)]
+        sched.step()
+        assert (sched.cache.rows, sched.cache.capacity) == (8, 256)
+        for _ in range(5):
+            sched.step()
+        assert len(sched._rows) == 1 and (sched.cache.rows, sched.cache.capacity) == (1, 128)
+        while not futures[1].done():
+            sched.step()
+            await asyncio.sleep(0)
+        return futures[1].result()
+
+    reply = asyncio.run(main())
+    solo = _run(Scheduler(_model(), max_batch_size=1), [survivor])[0]
+    assert reply["output_ids"] == solo["output_ids"]
+    assert _logprobs(reply) == pytest.approx(_logprobs(solo), abs=1e-5)
+
+
+def test_disk_update_with_abort_all_requests_returns_partial_outputs(tmp_path):
+    """SGLang's ``abort_all_requests``: the running request ends with ``abort`` and the tokens
+    made by the old weights, stamped with the old version; the update then applies."""
+    sched = Scheduler(_model(0), max_batch_size=2, weight_version=3)
+    _model(1).save_pretrained(tmp_path)
+
+    async def main():
+        running = sched.submit("generate", ("a", _prompt(6, 30), _greedy(50), True))
+        for _ in range(4):
+            sched.step()
+        update = sched.submit("update_weights", (str(tmp_path), 4, True))
+        sched.step()
+        await asyncio.sleep(0)
+        return running.result(), update.result()
+
+    reply, (status, _) = asyncio.run(main())
+    assert status == 200 and sched.weight_version == 4
+    assert reply["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(reply["output_ids"]) == 4 and reply["meta_info"]["weight_version"] == 3
+
+
+def test_generate_request_validation_of_numbers():
+    from arealite.engine.server import RequestError, parse_generate_request
+
+    def params(**sp):
+        return parse_generate_request({"input_ids": [1, 2], "sampling_params": sp}, VOCAB, 256)[1]
+
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(RequestError, match="temperature"):
+            params(temperature=bad)
+    with pytest.raises(RequestError, match="top_p"):
+        params(top_p=float("nan"))
+    assert params(top_k=10**20).top_k == -1 and params(top_k=VOCAB).top_k == -1  # disabled
+    assert params(top_k=5).top_k == 5

@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import inspect
 import json
+import math
 import logging
 import os
 import queue
@@ -96,6 +97,16 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _parse_version(v):
+    """A ``weight_version`` field: an integer, or a string of one (SGLang's type); None stays
+    None. Raises ``ValueError`` for anything else."""
+    if v is None or _is_int(v):
+        return v
+    if isinstance(v, str) and v.lstrip("-").isdigit():
+        return int(v)
+    raise ValueError(f"weight_version must be an integer (or a string of one), got {v!r}")
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -124,18 +135,20 @@ def parse_generate_request(body, vocab_size: int, max_positions: int | None,
         raise RequestError("sampling_params", "sampling_params must be a JSON object")
     for where, holder in (("n", body), ("sampling_params.n", sp)):
         if "n" in holder and holder["n"] != 1:
-            raise RequestError(where, "n_samples must be 1 per request; send n requests")
+            raise RequestError(where, "n must be 1: send one request per sample")
     p = SamplingParams()
     t = sp.get("temperature", p.temperature)
-    if not _is_number(t) or t < 0:
+    if not _is_number(t) or not math.isfinite(t) or t < 0:
         raise RequestError("sampling_params.temperature",
                            "temperature must be a number >= 0 (0 means greedy)")
     top_p = sp.get("top_p", p.top_p)
-    if not _is_number(top_p) or not 0 < top_p <= 1:
+    if not _is_number(top_p) or not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise RequestError("sampling_params.top_p", "top_p must be a number in (0, 1]")
     top_k = sp.get("top_k", p.top_k)
     if not _is_int(top_k):
         raise RequestError("sampling_params.top_k", "top_k must be an integer (-1 disables it)")
+    if top_k <= 0 or top_k >= vocab_size:
+        top_k = -1  # disabled (also keeps huge values out of the batch's int64 tensor)
     max_new = sp.get("max_new_tokens", p.max_new_tokens)
     if not _is_int(max_new) or max_new < 0:
         raise RequestError("sampling_params.max_new_tokens",
@@ -317,7 +330,10 @@ class SlotKVCache:
     are left-aligned at positions ``[0, kv_len_i)`` (no padding), so a row's own position ids
     are its column indices. Rows are kept contiguous (``0..n-1``): a finished row is replaced
     by the last row (one row copy), a new row is appended. Buffers grow by reallocation
-    (rows: powers of two up to ``max_rows``; capacity: x1.5, rounded up to 128 tokens).
+    (rows: powers of two up to ``max_rows``; capacity: x1.5, rounded up to 128 tokens) and
+    shrink when they hold over 4x what the running rows need. Memory is dense: every row is
+    as long as the longest one (``rows x capacity x kv_heads x head_dim`` per layer for keys
+    and for values), unlike SGLang's/vLLM's paged caches.
 
     Unlike HF's ``DynamicCache`` nothing is concatenated per step (appending one token is one
     indexed write per layer) and rows of different lengths need no left padding.
@@ -342,11 +358,24 @@ class SlotKVCache:
         rows' first ``live_len`` tokens."""
         if rows <= self.rows and length <= self.capacity:
             return
-        new_rows = max(self.rows, min(self.max_rows, 1 << max(rows - 1, 0).bit_length()))
-        new_rows = max(new_rows, rows)
+        new_rows = max(self.rows, self._rows_for(rows))
         new_cap = self.capacity
         if length > new_cap:
             new_cap = -(-max(length, int(new_cap * 1.5)) // 128) * 128
+        self._realloc(new_rows, new_cap, live_rows, live_len)
+
+    def shrink(self, rows: int, length: int) -> None:
+        """Reallocate smaller when the buffers hold over 4x what ``rows`` rows of ``length``
+        tokens need (after long requests left), keeping those rows' first ``length`` tokens."""
+        want_rows = self._rows_for(rows)
+        want_cap = -(-int(length * 1.5) // 128) * 128
+        if self.rows * self.capacity > 4 * want_rows * want_cap:
+            self._realloc(want_rows, want_cap, rows, min(length, self.capacity))
+
+    def _rows_for(self, rows: int) -> int:  # the next power of two, at most max_rows
+        return max(rows, min(self.max_rows, 1 << max(rows - 1, 0).bit_length()))
+
+    def _realloc(self, new_rows: int, new_cap: int, live_rows: int, live_len: int) -> None:
         shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
         for buffers in (self.k, self.v):
             for layer in range(self.n_layers):
@@ -372,7 +401,9 @@ class SlotKVCache:
 
 class PrefixStore:
     """KV of finished requests, kept for later requests that start with the same tokens (the
-    next turn of a multi-turn episode, a resubmitted partial rollout, a late sample of a group).
+    next turn of a multi-turn episode, a sample of a group that arrives after its siblings left;
+    not the resubmission after a pause, since that pause is for a weight update, which empties
+    the store).
 
     Entries are indexed per block of ``block`` tokens by a chained hash (block ``i``'s key
     covers tokens ``[0, (i+1)·block)``), so a lookup walks the new prompt's blocks once and finds
@@ -382,7 +413,9 @@ class PrefixStore:
     dropped at a weight update (the scheduler calls :meth:`clear`).
     """
 
-    def __init__(self, max_tokens: int, block: int = 16):
+    BLOCK = 16  # tokens per hashed block
+
+    def __init__(self, max_tokens: int, block: int = BLOCK):
         self.max_tokens, self.block = max_tokens, block
         self._entries: OrderedDict = OrderedDict()  # id -> (tokens tuple, k list, v list, hashes)
         self._index: dict = {}  # chained block hash -> {entry id: tokens covered}, oldest first
@@ -578,9 +611,11 @@ class Scheduler:
     def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0,
                  decode_step_delay: float = 0.0, tokenizer=None, max_prefill_tokens: int = 1024,
                  prefix_cache_tokens: int = 8192):
-        if max_batch_size < 1 or max_prefill_tokens < 1 or prefix_cache_tokens < 0:
-            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1, "
-                             "prefix_cache_tokens >= 0")
+        if max_batch_size < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        if prefix_cache_tokens != 0 and prefix_cache_tokens < PrefixStore.BLOCK:
+            raise ValueError(f"prefix_cache_tokens={prefix_cache_tokens}: use 0 (off) or at least "
+                             f"{PrefixStore.BLOCK} (one block)")
         self.model = model
         self.tokenizer = tokenizer  # optional: stop strings and the reply's "text"
         self.max_batch_size = max_batch_size
@@ -658,6 +693,10 @@ class Scheduler:
         self._queue.put(_Message(kind, payload, future, loop))
         return future
 
+    def submit_nowait(self, kind: str, payload=None) -> None:
+        """A message without an answer (``"abort"``: payload = the abandoned request's future)."""
+        self._queue.put(_Message(kind, payload, None, None))
+
     # -- scheduler thread
     def _loop(self):
         while not self._stop.is_set():
@@ -700,6 +739,11 @@ class Scheduler:
                 self._waiting.append(req)
         elif msg.kind == "pause":
             _resolve(msg.loop, msg.future, self._abort_all())
+        elif msg.kind == "abort":  # its client is gone: drop it without a reply
+            self._waiting = [r for r in self._waiting if r.future is not msg.payload]
+            for i in range(len(self._rows) - 1, -1, -1):
+                if self._rows[i].future is msg.payload:
+                    self._remove_row(i)
         elif msg.kind == "load_tensors":
             tensors, version = msg.payload
             try:
@@ -713,7 +757,9 @@ class Scheduler:
             _resolve(msg.loop, msg.future, (200, {
                 "success": True, "message": f"Succeeded to update {n} parameters."}))
         elif msg.kind == "update_weights":
-            path, version = msg.payload
+            path, version, abort = msg.payload
+            if abort:
+                self._abort_all()
             try:
                 n, unexpected = load_weights_from_disk(self.model, path)
             except Exception as exc:
@@ -860,17 +906,22 @@ class Scheduler:
         tokens = self._sample_and_append(self._rows, logits)
         for req, tok in zip(self._rows, tokens.tolist()):
             req.last = tok
-        # Finished rows leave; the last row moves into each hole (one row copy).
         for i in range(len(self._rows) - 1, -1, -1):
             if self._rows[i].finished:
                 self._keep_prefix(i)
-                last = len(self._rows) - 1
-                if i != last:
-                    self.cache.copy_row(last, i, self._rows[last].kv_len)
-                    self._rows[i] = self._rows[last]
-                self._rows.pop()
+                self._remove_row(i)
         if not self._rows and not self._waiting:
             self.cache.release()
+        else:
+            self.cache.shrink(len(self._rows), max((r.kv_len for r in self._rows), default=0) + 1)
+
+    def _remove_row(self, i: int) -> None:
+        """Drop row ``i``; the last row moves into the hole (one row copy)."""
+        last = len(self._rows) - 1
+        if i != last:
+            self.cache.copy_row(last, i, self._rows[last].kv_len)
+            self._rows[i] = self._rows[last]
+        self._rows.pop()
 
     def _keep_prefix(self, row: int) -> None:
         """Copy a finished row's KV (prompt + output but the last token, whole blocks only)
@@ -931,7 +982,7 @@ class Scheduler:
         if self.tokenizer is not None:
             # Like SGLang: the text ends before a matched stop string, while output_ids and the
             # logprobs keep every sampled token (including the one completing the stop string).
-            text = self.tokenizer.decode(req.output_ids)
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
             cut = text.find(reason["matched"]) if isinstance(reason.get("matched"), str) else -1
             if cut >= 0:
                 text = text[:cut]
@@ -1006,7 +1057,12 @@ class Server:
             return _error(e.field, e.message)
         while not self._resumed.is_set():
             await self._resumed.wait()
-        result = await self.scheduler.submit("generate", (rid, ids, params, return_logprob))
+        future = self.scheduler.submit("generate", (rid, ids, params, return_logprob))
+        try:
+            result = await future
+        except asyncio.CancelledError:  # the client went away (handler_cancellation): free the row
+            self.scheduler.submit_nowait("abort", future)
+            raise
         if isinstance(result, Exception):
             return _error("", f"generation failed: {result}", status=500)
         return web.json_response(result)
@@ -1055,9 +1111,13 @@ class Server:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_disk`` ``{"model_path": str, "weight_version": int?}``.
 
-        Loads safetensors from the folder into the live model between decode steps (running
-        requests continue with the new weights).  200 ``{"success": true, "message",
-        "num_paused_requests": 0}``; 400 ``{"success": false, "message"}`` with old weights kept.
+        Loads safetensors from the folder into the live model between decode steps. With
+        ``abort_all_requests: true`` (SGLang's flag, sent by arealite's client) running and
+        waiting requests are first aborted with their partial output, so every token is tagged
+        with the version that produced it; otherwise running requests continue with the new
+        weights (attending over KV of the old ones) and their reply reports the new version.
+        200 ``{"success": true, "message", "num_paused_requests": 0}``; 400 ``{"success":
+        false, "message"}`` with old weights kept.
         """
         try:
             body = await request.json()
@@ -1066,12 +1126,12 @@ class Server:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
             return web.json_response(
                 {"success": False, "message": "body must be {\"model_path\": str}"}, status=400)
-        version = body.get("weight_version")
-        if version is not None and not _is_int(version):
-            return web.json_response(
-                {"success": False, "message": "weight_version must be an integer"}, status=400)
-        status, result = await self.scheduler.submit("update_weights",
-                                                     (body["model_path"], version))
+        try:
+            version = _parse_version(body.get("weight_version"))
+        except ValueError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        status, result = await self.scheduler.submit(
+            "update_weights", (body["model_path"], version, bool(body.get("abort_all_requests"))))
         return web.json_response(result, status=status)
 
 
@@ -1119,7 +1179,8 @@ class Server:
             return self._fail("backend 'nccl' needs a GPU server; use 'gloo' on CPU")
         if self.groups.pop(name, None) is not None:
             # A restarted trainer re-creates its group under the same name: the old one is dead.
-            # Dropping the last reference frees it, which also unblocks a receive stuck in it.
+            # A receive still blocked in the old group fails once the old trainer's connections
+            # close (it exited) or at that group's timeout; it does not block the new group.
             logger.warning("replacing weight-update group %r (a new trainer joined)", name)
         loop = asyncio.get_running_loop()
         try:
@@ -1140,7 +1201,8 @@ class Server:
         the declared dtype and shape, then loads them between decode steps. The tensors are
         always received (so the group's collectives stay aligned) before anything is checked
         against the model; a bad name or shape gives 400 and leaves the weights untouched.
-        ``flush_cache`` is accepted and ignored (this server keeps no prefix cache).
+        ``flush_cache`` is accepted and ignored: loading new weights always empties the prefix
+        store and stops prefix sharing with rows computed under the old weights.
         """
         from arealite.engine.weight_sync import broadcast_tensor, parse_dtype
 
@@ -1158,9 +1220,8 @@ class Server:
         if not ok:
             return self._fail("names, dtypes and shapes must be lists of equal length "
                               "(shapes: lists of integers)")
-        if version is not None and not _is_int(version):
-            return self._fail("weight_version must be an integer")
         try:
+            version = _parse_version(version)
             torch_dtypes = [parse_dtype(d) for d in dtypes]
         except (ValueError, AttributeError) as e:
             return self._fail(str(e))
@@ -1202,6 +1263,8 @@ class Server:
                                       "dtype": str(state[name].dtype).removeprefix("torch."),
                                       "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()})
         size = body.get("truncate_size", 100)
+        if not _is_int(size) or size < 0:
+            return _error("truncate_size", "truncate_size must be an integer >= 0")
         return web.json_response(t[:size].tolist() if t.dim() else t.item())
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
@@ -1265,7 +1328,10 @@ def main(argv=None):
                           args.prefix_cache_tokens)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
-    web.run_app(server.app(), host=args.host, port=args.port, print=None)
+    # handler_cancellation: a client that disconnects (e.g. timed out and moved to another
+    # server) cancels its /generate handler, which aborts the request here.
+    web.run_app(server.app(), host=args.host, port=args.port, print=None,
+                handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -112,8 +112,8 @@ class WeightUpdateExtension:
                 return self._arealite_reply(False, f"rank_offset {rank_offset} + worker rank {worker_rank} = {rank} "
                                                    f"is outside [1, world_size={world_size}) (rank 0 is the trainer)")
             groups = self._arealite_groups()
-            if group_name in groups:
-                return self._arealite_reply(False, f"group {group_name!r} exists; call arealite_destroy_group first")
+            if groups.pop(group_name, None) is not None:  # a restarted trainer: the old group is dead
+                logger.warning("replacing weight-update group %r (a new trainer joined)", group_name)
             groups[group_name] = new_weight_update_group(master_address, int(master_port), rank, int(world_size),
                                                          group_name, backend, timeout_s)
             return self._arealite_reply(True, f"joined {group_name!r} as rank {rank}/{world_size} ({backend})")
