@@ -30,15 +30,18 @@ import yaml
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from arealite.algorithms.dpo import DPO
-from arealite.api.config import DPOConfig, load_config, to_dict
-from arealite.dataset.math_data import load_dataset
-from arealite.dataset.preference_data import PreferenceCollator, load_preference_dataset
-from arealite.engine.fsdp import FSDPEngine, init_distributed
-from arealite.evaluate import aevaluate, evaluate_hf
-from arealite.utils.hf import load_tokenizer, resolve_model_path
-from arealite.utils.stats_logger import StatsLogger
-from arealite.workflow.preference import PreferenceWorkflow
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grpo_math import sync_weights  # noqa: E402
+
+from arealite.algorithms.dpo import DPO  # noqa: E402
+from arealite.api.config import DPOConfig, load_config, to_dict  # noqa: E402
+from arealite.dataset.math_data import load_dataset  # noqa: E402
+from arealite.dataset.preference_data import PreferenceCollator, load_preference_dataset  # noqa: E402
+from arealite.engine.fsdp import FSDPEngine, init_distributed  # noqa: E402
+from arealite.evaluate import aevaluate, evaluate_hf  # noqa: E402
+from arealite.utils.hf import load_tokenizer, resolve_model_path  # noqa: E402
+from arealite.utils.stats_logger import StatsLogger  # noqa: E402
+from arealite.workflow.preference import PreferenceWorkflow  # noqa: E402
 
 
 def load_or_explain(name: str, cfg, split: str, seed: int, loader) -> list[dict]:
@@ -147,19 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
         # 2. DPO update (reference and policy forward, then one optimizer step).
         stats = algo.update(batch)
         t2 = time.time()
-        # 3. Online: weight sync (pause → save → servers load → version bump → resume).
+        # 3. Online: weight sync (pause → push → servers load → version bump → resume).
         if online:
-            rollout.pause()
-            meta = rollout.weight_update_meta(weight_dir, version + 1)  # rollout.weight_sync: disk | distributed
-            if rank == 0:
-                rollout.pause_generation()
-            actor.upload_weights(meta)
-            if rank == 0:
-                rollout.update_weights(meta)
-                rollout.continue_generation()
-            dist.barrier()
-            rollout.set_version(version + 1)
-            rollout.resume()
+            sync_weights(actor, rollout, weight_dir, version + 1)  # rollout.weight_sync: disk | distributed
         actor.set_version(version + 1)
         t3 = time.time()
 

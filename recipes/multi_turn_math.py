@@ -28,7 +28,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grpo_math import all_reduce, load_dataset_or_explain, rollout_stats  # noqa: E402
+from grpo_math import all_reduce, load_dataset_or_explain, rollout_stats, sync_weights  # noqa: E402
 
 from arealite.algorithms.grpo import GRPO  # noqa: E402
 from arealite.api.config import MultiTurnGRPOConfig, load_config, to_dict  # noqa: E402
@@ -104,18 +104,7 @@ def train(config, build_workflow) -> dict:
         stats = algo.update(batch)  # 2. GRPO update
         t2 = time.time()
         # 3. Weight sync: pause → push → servers load → version bump → resume.
-        rollout.pause()
-        meta = rollout.weight_update_meta(weight_dir, version + 1)
-        if rank == 0:
-            rollout.pause_generation()
-        actor.upload_weights(meta)
-        if rank == 0:
-            rollout.update_weights(meta)
-            rollout.continue_generation()
-        dist.barrier()
-        actor.set_version(version + 1)
-        rollout.set_version(version + 1)
-        rollout.resume()
+        sync_weights(actor, rollout, weight_dir, version + 1)
         t3 = time.time()
         # 4. Logging: reward, turns per episode, staleness, time split.
         stats.update(rollout_stats(batch, version, prev_train_end, rollout))
