@@ -286,3 +286,38 @@ def test_generate_request_validation_of_numbers():
         params(top_p=float("nan"))
     assert params(top_k=10**20).top_k == -1 and params(top_k=VOCAB).top_k == -1  # disabled
     assert params(top_k=5).top_k == 5
+
+
+def test_long_prompt_is_staged_while_running_rows_keep_decoding():
+    """A 60-token prompt with an 8-token budget is prefilled one chunk per iteration in its own
+    cache (8 iterations) while a running request decodes one token per iteration; then it joins
+    and both outputs equal HF."""
+    ref = _model()
+    sched = Scheduler(_model(), max_batch_size=4, max_prefill_tokens=8)
+    short, long_ = _prompt(5, 40), _prompt(60, 41)
+
+    async def main():
+        first = sched.submit("generate", ("a", short, _greedy(30), True))
+        sched.step()
+        second = sched.submit("generate", ("b", long_, _greedy(6), True))
+        lengths = []
+        for _ in range(8):
+            sched.step()
+            lengths.append(len(sched._rows[0].output_ids))
+            assert len(sched._rows) == 1 and sched._staged is not None
+        sched.step()  # the last chunk (3 tokens), then the copy into a row
+        assert len(sched._rows) == 2 and sched._staged is None
+        while not (first.done() and second.done()):
+            sched.step()
+            await asyncio.sleep(0)
+        return lengths, first.result(), second.result()
+
+    lengths, a, b = asyncio.run(main())
+    assert lengths == list(range(2, 10))  # decoding never stalled
+    assert sched.stats["prefill_tokens"] == 4 + 59
+    for prompt, reply, n in ((short, a, 30), (long_, b, 6)):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                              min_new_tokens=n, pad_token_id=0)[0, len(prompt):].tolist()
+        assert reply["output_ids"] == hf
+        assert _logprobs(reply) == pytest.approx(_reference_logprobs(ref, prompt, hf), abs=1e-4)

@@ -595,7 +595,9 @@ class Scheduler:
     Every loop iteration: handle queued messages; admit waiting requests while their prefill
     fits ``max_prefill_tokens`` (at least one request per iteration) and the batch has fewer
     than ``max_batch_size`` rows; then one decode step over all rows. Requests join and leave
-    between decode steps.
+    between decode steps. A prompt longer than ``max_prefill_tokens`` is staged: one chunk per
+    iteration into a one-row cache, then copied into a row, so decoding never waits for more
+    than one budget of prefill.
 
     Prefill is packed (no padding) and computes only the KV cache of ``input_ids[:-1]``; the
     last prompt token is the row's first decode input, so a new row's first token is sampled
@@ -648,6 +650,12 @@ class Scheduler:
         self._queue: queue.Queue = queue.Queue()
         self._waiting: list[Request] = []
         self._rows: list[Request] = []  # running requests; row i of the KV cache is _rows[i]
+        # A prompt longer than max_prefill_tokens is prefilled into its own one-row cache, one
+        # chunk per iteration (decode goes on meanwhile), then copied into a row.
+        self._staged: Request | None = None
+        self._staged_done = 0  # prompt tokens of _staged already in _staging_cache
+        self._staging_cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, dtype,
+                                          self.device, 1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.stats = {"prefill_tokens": 0, "shared_prefix_tokens": 0, "cached_prefix_tokens": 0,
@@ -712,7 +720,7 @@ class Scheduler:
         """One scheduler iteration: handle every queued message, admit waiting requests, run
         one decode step. The scheduler thread calls it in a loop (``block``: wait up to 0.2 s
         for a message when idle); tests call it directly to drive the server deterministically."""
-        self._drain(block=block and not self._rows and not self._waiting)
+        self._drain(block=block and not self._rows and not self._waiting and self._staged is None)
         with torch.inference_mode():
             self._admit()
             if self._rows:
@@ -741,6 +749,8 @@ class Scheduler:
             _resolve(msg.loop, msg.future, self._abort_all())
         elif msg.kind == "abort":  # its client is gone: drop it without a reply
             self._waiting = [r for r in self._waiting if r.future is not msg.payload]
+            if self._staged is not None and self._staged.future is msg.payload:
+                self._clear_staged()
             for i in range(len(self._rows) - 1, -1, -1):
                 if self._rows[i].future is msg.payload:
                     self._remove_row(i)
@@ -781,22 +791,29 @@ class Scheduler:
         self._weights_epoch += 1
         if self.prefix_store is not None:
             self.prefix_store.clear()
+        self._staged_done = 0  # a staged prompt is prefilled again with the new weights
+
+    def _clear_staged(self) -> None:
+        self._staged, self._staged_done = None, 0
+        self._staging_cache.release()
 
     def _abort_all(self) -> int:
         n = 0
         for req in self._rows:
             self._finish(req, {"type": "abort", "message": ABORT_BY_PAUSE})
             n += 1
-        for req in self._waiting:
+        for req in self._waiting + ([self._staged] if self._staged else []):
             self._finish(req, {"type": "abort", "message": ABORT_BEFORE_PREFILL})
             n += 1
         self._rows, self._waiting = [], []
+        self._clear_staged()
         self.cache.release()
         return n
 
     def _fail_all(self, exc: Exception):
-        reqs = self._rows + self._waiting
+        reqs = self._rows + self._waiting + ([self._staged] if self._staged else [])
         self._rows, self._waiting = [], []
+        self._clear_staged()
         self.cache.release()
         for req in reqs:
             _resolve(req.loop, req.future, exc)
@@ -806,14 +823,17 @@ class Scheduler:
 
         Takes requests in arrival order while there is a free row and the prefill budget
         (``max_prefill_tokens``, counting only tokens that must be computed) is not exceeded;
-        the first request is always taken. Long prompts are prefilled in chunks."""
+        the first request is always taken. A prompt that needs more than the whole budget is
+        staged instead: prefilled one budget-sized chunk per iteration into its own cache, while
+        the running rows keep decoding, and copied into a row when done (one staged at a time)."""
+        budget = self.max_prefill_tokens - self._advance_staged()
         free = self.max_batch_size - len(self._rows)
         if not self._waiting or free <= 0:
             return
         owners = {tuple(r.input_ids[:-1]): i for i, r in enumerate(self._rows)
                   if r.kv_epoch == self._weights_epoch}
         first_new = len(self._rows)
-        budget, segments, copies, restores = self.max_prefill_tokens, [], [], []
+        segments, copies, restores = [], [], []
         while self._waiting and len(self._rows) < self.max_batch_size:
             req = self._waiting[0]
             key = tuple(req.input_ids[:-1])
@@ -821,6 +841,12 @@ class Scheduler:
             if key and key not in owners and self.prefix_store is not None:
                 cached, k_layers, v_layers = self.prefix_store.lookup(key, len(key))
             need = 0 if key in owners else len(key) - cached
+            if need > self.max_prefill_tokens:
+                if self._staged is not None:
+                    break  # one staged prompt at a time; later requests wait behind it
+                self._waiting.pop(0)
+                self._stage(req, cached, k_layers, v_layers)
+                continue
             if need > budget and len(self._rows) > first_new:
                 break
             self._waiting.pop(0)
@@ -838,6 +864,8 @@ class Scheduler:
                     segments.append((row, cached, key[cached:]))
                     budget -= need
             self._rows.append(req)
+        if len(self._rows) == first_new:  # only staged
+            return
         self.cache.ensure(len(self._rows), max(r.kv_len for r in self._rows) + 1,
                           first_new, max((r.kv_len for r in self._rows[:first_new]), default=0))
         for row, k_layers, v_layers in restores:  # before the prefill, which attends over them
@@ -850,7 +878,44 @@ class Scheduler:
                      "%d running", len(self._rows) - first_new, len(segments), len(restores),
                      len(copies), len(self._rows))
 
-    def _prefill(self, segments):
+    def _stage(self, req: Request, cached: int, k_layers, v_layers) -> None:
+        """Make ``req`` the staged request; its first ``cached`` prompt tokens come from the
+        prefix store (``k_layers``/``v_layers``)."""
+        self._staged, self._staged_done = req, cached
+        req.kv_epoch = self._weights_epoch
+        self._staging_cache.ensure(1, len(req.input_ids), 0, 0)
+        for buf, kv in zip(self._staging_cache.k + self._staging_cache.v,
+                           (k_layers or []) + (v_layers or [])):
+            buf[0, :, :kv.shape[1]] = kv
+        self.stats["cached_prefix_tokens"] += cached
+
+    def _advance_staged(self) -> int:
+        """Prefill the next chunk (at most ``max_prefill_tokens``) of the staged prompt; once it
+        is complete and a row is free, copy its KV into a new row. Returns the tokens computed."""
+        req = self._staged
+        if req is None:
+            return 0
+        if req.kv_epoch != self._weights_epoch:  # new weights since it was staged: start over
+            req.kv_epoch, self._staged_done = self._weights_epoch, 0
+        key = req.input_ids[:-1]
+        n = min(self.max_prefill_tokens, len(key) - self._staged_done)
+        if n:
+            self._prefill([(0, self._staged_done, key[self._staged_done:self._staged_done + n])],
+                          self._staging_cache)
+            self._staged_done += n
+        if self._staged_done == len(key) and len(self._rows) < self.max_batch_size:
+            row = len(self._rows)
+            live = max((r.kv_len for r in self._rows), default=0)
+            self.cache.ensure(row + 1, max(live, len(key)) + 1, row, live)
+            for buf, staged in zip(self.cache.k + self.cache.v,
+                                   self._staging_cache.k + self._staging_cache.v):
+                buf[row, :, :len(key)] = staged[0, :, :len(key)]
+            req.kv_len, req.last = len(key), req.input_ids[-1]
+            self._rows.append(req)
+            self._clear_staged()
+        return n
+
+    def _prefill(self, segments, cache: SlotKVCache | None = None):
         """Compute the KV of ``segments`` (``(row, start, token ids)``: the ids go to positions
         ``start, start+1, ...`` of the row, whose positions before ``start`` are already cached),
         packed into forwards of at most ``max_prefill_tokens`` tokens; a longer segment is split
@@ -873,7 +938,7 @@ class Scheduler:
                 ctx_segments.append((row, start, len(ids), len(piece_ids)))
                 ids.extend(piece_ids)
                 positions.extend(range(start, start + len(piece_ids)))
-            _CONTEXT.step = _StepContext(self.cache, segments=ctx_segments)
+            _CONTEXT.step = _StepContext(cache or self.cache, segments=ctx_segments)
             try:
                 self.model(input_ids=torch.tensor([ids], device=self.device),
                            position_ids=torch.tensor([positions], device=self.device),
@@ -910,7 +975,7 @@ class Scheduler:
             if self._rows[i].finished:
                 self._keep_prefix(i)
                 self._remove_row(i)
-        if not self._rows and not self._waiting:
+        if not self._rows and not self._waiting and self._staged is None:
             self.cache.release()
         else:
             self.cache.shrink(len(self._rows), max((r.kv_len for r in self._rows), default=0) + 1)
@@ -1089,7 +1154,7 @@ class Server:
         ``waiting_requests`` and ``max_prefill_tokens``. Read without locking (a snapshot)."""
         sched = self.scheduler
         return web.json_response({**sched.stats, "running_requests": len(sched._rows),
-                                  "waiting_requests": len(sched._waiting),
+                                  "waiting_requests": len(sched._waiting) + (sched._staged is not None),
                                   "max_prefill_tokens": sched.max_prefill_tokens})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
