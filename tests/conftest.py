@@ -30,3 +30,18 @@ def save_tiny_model(path: str, seed: int = 0, initializer_range: float = 0.02) -
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    """A RemoteInferenceEngine on one local server running the tiny model (module-scoped)."""
+    from arealite.api.config import InferenceEngineConfig
+    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.launcher.local import launch_servers
+
+    cfg = InferenceEngineConfig(n_servers=1, setup_timeout=120, request_timeout=60)
+    addrs = launch_servers(cfg, tiny_model_dir, str(tmp_path_factory.mktemp("logs")))
+    eng = RemoteInferenceEngine(cfg, addrs)
+    eng.initialize()
+    yield eng
+    eng.destroy()

@@ -10,11 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from arealite.agent import ArealOpenAI, OpenAIAgentWorkflow
-from arealite.api.config import GenerationConfig, InferenceEngineConfig, TrainEngineConfig
+from arealite.api.config import GenerationConfig, TrainEngineConfig
 from arealite.api.io_struct import ModelResponse
 from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.remote import RemoteInferenceEngine
-from arealite.launcher.local import launch_servers
 from arealite.workflow.multi_turn import episodes_to_batch
 from arealite.workflow.rlvr import tokenize_chat
 
@@ -31,16 +29,6 @@ async def three_turn_agent(client, data) -> float:
                  {"role": "tool", "content": "calculator: 42"}]
     third = await client.chat.completions.create(messages=messages, max_tokens=6, temperature=0.7)
     return float(data["answer"] in third.choices[0].message.content)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    cfg = InferenceEngineConfig(n_servers=1, setup_timeout=120, request_timeout=60)
-    addrs = launch_servers(cfg, tiny_model_dir, str(tmp_path_factory.mktemp("logs")))
-    eng = RemoteInferenceEngine(cfg, addrs)
-    eng.initialize()
-    yield eng
-    eng.destroy()
 
 
 def test_agent_on_the_client_yields_trainable_trajectories(engine, tiny_model_dir):

@@ -8,24 +8,13 @@ import time
 import pytest
 import torch
 
-from arealite.api.config import GenerationConfig, InferenceEngineConfig, TrainEngineConfig
+from arealite.api.config import GenerationConfig, TrainEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json
-from arealite.launcher.local import launch_servers
+from arealite.engine.remote import ServerError, post_json
 from arealite.workflow.rlvr import build_trajectories
 
 from conftest import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    cfg = InferenceEngineConfig(n_servers=1, setup_timeout=120, request_timeout=60)
-    addrs = launch_servers(cfg, tiny_model_dir, str(tmp_path_factory.mktemp("logs")))
-    eng = RemoteInferenceEngine(cfg, addrs)
-    eng.initialize()
-    yield eng
-    eng.destroy()
 
 
 @pytest.fixture(scope="module")

@@ -388,6 +388,17 @@ class SlotKVCache:
                 else:
                     buffers[layer] = new
 
+    def read_row(self, row: int, length: int) -> tuple[list, list]:
+        """Views of row ``row``'s first ``length`` cached tokens: per layer, keys and values
+        ``[kv_heads, length, head_dim]`` (clone them to keep them past the next write)."""
+        return [k[row, :, :length] for k in self.k], [v[row, :, :length] for v in self.v]
+
+    def write_row(self, row: int, k_layers: list, v_layers: list) -> None:
+        """Put per-layer keys/values ``[kv_heads, n, head_dim]`` at positions ``[0, n)`` of
+        row ``row`` (the buffers must already hold ``n`` positions)."""
+        for buf, kv in zip(self.k + self.v, k_layers + v_layers):
+            buf[row, :, :kv.shape[1]] = kv
+
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cached tokens of row ``src`` into row ``dst``."""
         if length:
@@ -869,8 +880,7 @@ class Scheduler:
         self.cache.ensure(len(self._rows), max(r.kv_len for r in self._rows) + 1,
                           first_new, max((r.kv_len for r in self._rows[:first_new]), default=0))
         for row, k_layers, v_layers in restores:  # before the prefill, which attends over them
-            for buf, kv in zip(self.cache.k + self.cache.v, k_layers + v_layers):
-                buf[row, :, :kv.shape[1]] = kv
+            self.cache.write_row(row, k_layers, v_layers)
         self._prefill(segments)
         for src, dst, length in copies:  # after the prefill: sources may be new rows
             self.cache.copy_row(src, dst, length)
@@ -884,9 +894,8 @@ class Scheduler:
         self._staged, self._staged_done = req, cached
         req.kv_epoch = self._weights_epoch
         self._staging_cache.ensure(1, len(req.input_ids), 0, 0)
-        for buf, kv in zip(self._staging_cache.k + self._staging_cache.v,
-                           (k_layers or []) + (v_layers or [])):
-            buf[0, :, :kv.shape[1]] = kv
+        if cached:
+            self._staging_cache.write_row(0, k_layers, v_layers)
         self.stats["cached_prefix_tokens"] += cached
 
     def _advance_staged(self) -> int:
@@ -907,9 +916,7 @@ class Scheduler:
             row = len(self._rows)
             live = max((r.kv_len for r in self._rows), default=0)
             self.cache.ensure(row + 1, max(live, len(key)) + 1, row, live)
-            for buf, staged in zip(self.cache.k + self.cache.v,
-                                   self._staging_cache.k + self._staging_cache.v):
-                buf[row, :, :len(key)] = staged[0, :, :len(key)]
+            self.cache.write_row(row, *self._staging_cache.read_row(0, len(key)))
             req.kv_len, req.last = len(key), req.input_ids[-1]
             self._rows.append(req)
             self._clear_staged()
@@ -996,8 +1003,8 @@ class Scheduler:
         if n == 0 or n > store.max_tokens or req.kv_epoch != self._weights_epoch:
             return
         tokens = (req.input_ids + req.output_ids)[:n]
-        store.insert(tokens, [k[row, :, :n].clone() for k in self.cache.k],
-                     [v[row, :, :n].clone() for v in self.cache.v])
+        k_layers, v_layers = self.cache.read_row(row, n)
+        store.insert(tokens, [k.clone() for k in k_layers], [v.clone() for v in v_layers])
 
     def _sample_and_append(self, reqs, logits):
         """Sample a token for each row, record it and finish rows that hit a stop condition."""

@@ -233,13 +233,9 @@ def init_group(addresses: list[str], backend: str, tp_size: int = 1,
     world = len(addresses) * tp_size + 1
 
     def post_all():  # concurrently: each call returns only once every rank has joined
-        joins = [_run_concurrently(post_control, adapter, a, adapter.init_group_request(
+        _join_all([_run_concurrently(post_control, adapter, a, adapter.init_group_request(
             master, port, 1 + i * tp_size, world, group_name, backend), timeout_s, 1)
-            for i, a in enumerate(addresses)]  # retries=1: not idempotent
-        replies = _join_all(joins)
-        for a, r in zip(addresses, replies):
-            if not r.get("success", False):
-                raise ServerError(f"{a}/init_weights_update_group failed: {r}")
+            for i, a in enumerate(addresses)])  # retries=1: not idempotent; raises on a refusal
 
     # A failed rendezvous thread stays blocked until timeout_s; it is a daemon and harmless.
     pg, _ = _join_all([_run_concurrently(new_weight_update_group, master, port, 0, world, group_name,
@@ -371,19 +367,15 @@ def _send_bucket(pg: WeightUpdateGroup, addresses: list[str], payload: dict, ten
             if backend == "gloo" and t.device.type != "cpu":
                 t = t.cpu()
             broadcast_tensor(pg, t, abort_if=abort_if)
-        while not all(j.done() for j in joins):
+        while not all(j.done() for j in joins):  # post_control raises on "success": false
             error = abort_if()
             if error is not None:
                 raise error
             time.sleep(0.002)
-        for a, j in zip(addresses, joins):
-            reply = j()
-            if not reply.get("success", False):
-                raise ServerError(f"{a}/update_weights_from_distributed failed: {reply}")
+        for j in joins:
+            j()  # re-raises a call's failure
     except Exception as e:
-        refused = [a for a, j in zip(addresses, joins)
-                   if j.failed() is not None or (j.done() and not (j() or {}).get("success", False))]
-        raise _PushFailed(e, refused) from e
+        raise _PushFailed(e, [a for a, j in zip(addresses, joins) if j.failed() is not None]) from e
 
 
 def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int,
