@@ -25,7 +25,10 @@ on the project machines) adds Linux namespaces through util-linux ``unshare``:
 * ``--pid --mount-proc``: the code sees only its own processes (no host ``/proc/<pid>/environ``),
   and when the call ends every process it started dies with the namespace (fork bombs included).
 * ``--mount``: the work dir is bind-mounted on ``/tmp`` and fresh 1 MiB tmpfs cover ``/var/tmp`` and
-  ``/dev/shm``, so the world-writable places are private and thrown away.
+  ``/dev/shm``, so the world-writable places are private and thrown away. When the interpreter
+  (a venv, or Python itself) lives under one of them — a clone in ``/tmp`` — just the folders it
+  needs (``sys.prefix``, ``sys.base_prefix``, the executable's folder) are bound back read-only at
+  their own paths; everything else there stays hidden.
 * ``setpriv``: the code runs as an unprivileged uid (``uid_base`` + a per-call offset, no groups,
   ``no_new_privs``), so the rest of the file system is read-only to it (ordinary permission checks)
   and RLIMIT_NPROC counts only this call's processes (root would bypass RLIMIT_NPROC).
@@ -43,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -161,12 +165,56 @@ def _command(config: SandboxConfig, mode: str, workdir: str, uid: int) -> list[s
         return limits + [sys.executable, "-I", os.path.join(workdir, "main.py")]
     # sh stays PID 1 of the namespace (a Python PID 1 would ignore SIGXCPU) and exits with Python's
     # status; when it exits the kernel kills everything else left in the namespace.
-    inner = ("mount --bind \"$0\" /tmp && mount -t tmpfs -o size=1m tmpfs /var/tmp && "
-             "mount -t tmpfs -o size=1m tmpfs /dev/shm && cd /tmp && "
+    inner = (_remount_script(_interpreter_paths(), workdir) + " && cd /tmp && "
              f"setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs "
              f"\"$1\" -I /tmp/main.py")
     return limits + ["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child", "--",
                      "sh", "-c", inner, workdir, sys.executable]
+
+
+# The world-writable places the namespace mode replaces: the work dir goes on /tmp, a fresh 1 MiB
+# tmpfs on each of the others.
+_HIDDEN = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+@lru_cache(maxsize=1)
+def _interpreter_paths() -> tuple[str, ...]:
+    """Folders the interpreter needs that lie under a hidden place (:data:`_HIDDEN`).
+
+    These are ``sys.prefix`` (a venv: ``pyvenv.cfg`` and its site-packages), ``sys.base_prefix`` /
+    ``exec_prefix`` (the standard library) and the folders of ``sys.executable`` before and after
+    resolving symlinks, each made absolute and real; nested ones are dropped. Folders elsewhere stay
+    visible anyway, so they are not listed."""
+    cands = set()
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+              os.path.dirname(os.path.abspath(sys.executable)), os.path.dirname(os.path.realpath(sys.executable))):
+        for q in (os.path.abspath(p), os.path.realpath(p)):
+            if any(_under(q, h) for h in _HIDDEN) and q not in _HIDDEN and os.path.isdir(q):
+                cands.add(q)
+    return tuple(sorted(p for p in cands if not any(p != o and _under(p, o) for o in cands)))
+
+
+def _remount_script(keep: tuple[str, ...], workdir: str) -> str:
+    """Shell commands (run as root inside the new mount namespace) that put the work dir on /tmp,
+    fresh tmpfs on /var/tmp and /dev/shm, and then bind each folder of ``keep`` back read-only at
+    its own path. Each kept folder is first bind-mounted onto a stage inside the work dir
+    (``.host/<i>``), which the recursive bind of the work dir carries to ``/tmp/.host/<i>``; after
+    the final bind the stage is unmounted and removed, so the program sees only the kept folders."""
+    q = shlex.quote
+    stage = [os.path.join(workdir, ".host", str(i)) for i in range(len(keep))]
+    cmds = []
+    for src, st in zip(keep, stage):
+        cmds += [f"mkdir -p {q(st)}", f"mount --bind -o ro {q(src)} {q(st)}"]
+    cmds += ['mount --rbind "$0" /tmp', "mount -t tmpfs -o size=1m tmpfs /var/tmp",
+             "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
+    for i, dst in enumerate(keep):
+        st = f"/tmp/.host/{i}"
+        cmds += [f"mkdir -p {q(dst)}", f"mount --bind -o ro {st} {q(dst)}", f"umount {st}"]
+    return " && ".join(cmds)
 
 
 def _explain(rc: int | None, output: str, config: SandboxConfig) -> str | None:

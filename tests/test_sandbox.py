@@ -179,3 +179,61 @@ def test_bad_config_is_rejected_before_running():
         run_python("print(1)", SandboxConfig(memory_mb=16))
     with pytest.raises(ValueError, match="sandbox.timeout"):
         run_python("print(1)", SandboxConfig(timeout=0))
+
+
+_PROBE = """\
+import os, sys, sbx_probe
+print(sys.prefix)
+print(sbx_probe.VALUE)
+print(os.path.exists({secret!r}))
+mounts = [ln.split() for ln in open('/proc/self/mountinfo')]
+print([m[5].split(',')[0] for m in mounts if m[4] == sys.prefix])
+try:
+    open(sbx_probe.__file__, 'a')
+    print('writable')
+except OSError as e:
+    print('refused', e.errno)
+"""
+
+
+@pytest.mark.skipif("namespace" not in MODES, reason="the hidden folders exist only in the namespace mode")
+@pytest.mark.parametrize("base", ["/tmp", "/var/tmp", "repo"])
+def test_interpreter_under_a_hidden_folder_is_bound_back_read_only(base):
+    """A venv (and so sys.executable) under /tmp or /var/tmp — a fresh clone in /tmp — or anywhere
+    else: the sandboxed program still starts, imports from that venv's site-packages, cannot write
+    there (read-only bind), and sees nothing else of the host's /tmp."""
+    import shutil
+    import sys
+    import sysconfig
+    import tempfile
+
+    parent = REPO_ROOT if base == "repo" else base
+    root = tempfile.mkdtemp(prefix="sbx_venv_", dir=parent)
+    os.chmod(root, 0o755)  # like a clone: readable by the sandbox's unprivileged uid
+    secret = os.path.join(base if base != "repo" else "/tmp", f"sbx_secret_{os.getpid()}")
+    try:
+        venv = os.path.join(root, "venv")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+        site = os.path.join(venv, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
+        with open(os.path.join(site, "sbx_probe.py"), "w") as f:
+            f.write("VALUE = 42\n")
+        with open(secret, "w") as f:
+            f.write("host secret")
+        driver = ("import sys\nfrom arealite.sandbox import run_python, SandboxConfig\n"
+                  f"r = run_python({_PROBE.format(secret=secret)!r}, SandboxConfig(mode='namespace', timeout=10))\n"
+                  "print(repr(r.error)); sys.stdout.write(r.output)")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, sysconfig.get_paths()["purelib"]])}
+        out = subprocess.run([os.path.join(venv, "bin", "python"), "-c", driver], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0] == "None", out.stdout
+        assert lines[1] == venv and lines[2] == "42"
+        assert lines[3] == "False"  # the rest of the host's /tmp (or /var/tmp) stays hidden
+        if base != "repo":
+            assert lines[4] == "['ro']"  # bound back read-only at its own path
+        assert lines[5].startswith("refused")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if os.path.exists(secret):
+            os.remove(secret)
