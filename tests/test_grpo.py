@@ -35,6 +35,46 @@ def test_all_equal_group_has_zero_advantage_and_no_nan():
     assert not torch.isnan(adv).any()
 
 
+def test_near_zero_variance_group_gets_zero_advantage_others_unchanged():
+    # Group 1 differs only by float noise (std 5e-8): without the floor its advantages would be
+    # ±(5e-8 / (5e-8 + 1e-6)) ≈ ±0.048, or ±1 with eps=0. Group 2 is ordinary: (±0.5)/0.5 = ±1.
+    noise = torch.tensor([0.7, 0.7 + 1e-7, 0.7, 0.7 + 1e-7], dtype=torch.float64)
+    rewards = torch.cat([noise, torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)])
+    for eps in (0.0, 1e-6):
+        adv = F.group_normalize(rewards, group_size=4, eps=eps)
+        assert torch.equal(adv[:4], torch.zeros(4))
+        torch.testing.assert_close(adv[4:], torch.tensor([-1.0, 1.0, -1.0, 1.0]) / (1 + 2 * eps))
+    assert torch.equal(F.rloo_advantages(rewards, 4)[:4], torch.zeros(4))
+    # std exactly at / just above the floor: 0.5·d is the population std of [0, d, 0, d]
+    at = torch.tensor([0.0, 2e-4, 0.0, 2e-4])  # std 1e-4 == floor -> 0
+    above = torch.tensor([0.0, 4e-4, 0.0, 4e-4])  # std 2e-4 > floor -> ±1
+    assert torch.equal(F.group_normalize(at, 4, eps=0.0), torch.zeros(4))
+    torch.testing.assert_close(F.group_normalize(above, 4, eps=0.0), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    # a configurable floor: std_floor=0 keeps the float-noise group (exactly-equal still 0)
+    assert F.group_normalize(noise, 4, eps=0.0, std_floor=0.0).abs().min() > 0.99
+    with pytest.raises(ValueError, match="adv_std_floor"):
+        F.group_normalize(rewards, 4, std_floor=-1.0)
+
+
+def test_non_finite_reward_zeroes_only_its_group():
+    rewards = torch.tensor([float("nan"), 1.0, 0.0, 1.0, 0.0, 1.0, float("inf"), 0.0, 1.0, 0.0, 1.0, 0.0])
+    adv = F.group_normalize(rewards, group_size=4, eps=0.0)
+    assert torch.isfinite(adv).all()
+    assert torch.equal(adv[:4], torch.zeros(4)) and torch.equal(adv[4:8], torch.zeros(4))
+    torch.testing.assert_close(adv[8:], torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    assert torch.isfinite(F.rloo_advantages(rewards, 4)).all()
+
+
+def test_dynamic_sampling_filter_uses_the_same_floor():
+    from arealite.algorithms.grpo import should_accept
+
+    assert not should_accept({"rewards": torch.tensor([0.7, 0.7 + 1e-7, 0.7, 0.7], dtype=torch.float64)})
+    assert not should_accept({"rewards": torch.tensor([1.0, float("nan"), 0.0])})
+    assert should_accept({"rewards": torch.tensor([0.0, 4e-4])})
+    with pytest.raises(ValueError, match="algo.adv_std_floor"):
+        GRPO(GRPOAlgoConfig(adv_std_floor=-0.1), actor=None, group_size=2)
+
+
 def test_group_size_must_divide_batch():
     with pytest.raises(ValueError, match="group_size"):
         F.group_normalize(torch.zeros(5), group_size=2)

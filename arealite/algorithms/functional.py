@@ -182,32 +182,52 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.float().view(-1, group_size)
 
 
-def _zero_all_equal_groups(adv: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Exact 0 for groups whose rewards are all equal (no learning signal). Without it,
+# Groups whose population std of rewards is at most this are treated as zero-variance: every
+# advantage of the group is exactly 0. Rewards that differ only by float noise (e.g. 1e-7 after
+# reward shaping or a float32 round trip) otherwise get multiplied by 1/std ≈ 1e6 and their noise
+# becomes a full-size advantage. 1e-4 is far below any meaningful reward gap on the usual 0/1 or
+# [0, 1] scales; pass ``std_floor`` (``algo.adv_std_floor``) for rewards on other scales.
+STD_FLOOR = 1e-4
+
+
+def _zero_flat_groups(adv: torch.Tensor, r: torch.Tensor, std_floor: float = STD_FLOOR) -> torch.Tensor:
+    """Exact 0 for every group without a learning signal: population std of its rewards (in
+    float64) ``<= std_floor`` — all-equal groups included — or any non-finite reward (such a group
+    is dropped from learning; the other groups of the batch are unaffected). Without it,
     ``0.7 - mean(0.7 × 8)`` is a float32 residue of 6e-8 that the std division turns into 0.06."""
-    equal = (r == r[:, :1]).all(dim=1, keepdim=True)  # [N/G, 1]
-    return torch.where(equal, torch.zeros_like(adv), adv)
+    finite = torch.isfinite(r).all(dim=1, keepdim=True)  # [N/G, 1]
+    r64 = torch.where(finite, r.double(), torch.zeros_like(r, dtype=torch.float64))
+    flat = (r64 == r64[:, :1]).all(dim=1, keepdim=True) | (r64.std(dim=1, unbiased=False, keepdim=True) <= std_floor)
+    return torch.where(flat | ~finite, torch.zeros_like(adv), adv)
 
 
-def group_normalize(rewards: torch.Tensor, group_size: int, use_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_normalize(rewards: torch.Tensor, group_size: int, use_std: bool = True, eps: float = 1e-6,
+                    std_floor: float = STD_FLOOR) -> torch.Tensor:
     """GRPO advantages: ``(r - mean_group(r)) / (std_group(r) + eps)`` (std: unbiased=False).
 
     Args:
         rewards: [N] float, consecutive rows of ``group_size`` are one group (one prompt).
         group_size: G, must divide N. G = 1 gives 0 advantages.
         use_std: False gives Dr.GRPO's mean-only centring (arXiv 2503.20783, §3.2).
+        eps: added to the std before dividing.
+        std_floor: groups with std ``<= std_floor`` count as zero-variance (see :data:`STD_FLOOR`).
 
     Returns:
-        [N] float32. A group whose rewards are all equal gets exactly 0 (never NaN).
+        [N] float32, always finite. A group whose rewards have std ``<= std_floor`` (all equal,
+        or equal up to float noise) gets exactly 0, and so does a group containing a NaN/inf
+        reward (the reward worker already turns those into 0; this guards custom workflows).
 
     Raises:
-        ValueError: N is not a multiple of ``group_size``.
+        ValueError: N is not a multiple of ``group_size``, or ``std_floor < 0``.
     """
+    if not std_floor >= 0:
+        raise ValueError(f"algo.adv_std_floor must be >= 0, got {std_floor!r}")
     r = _groups(rewards, group_size)
-    adv = r - r.mean(dim=1, keepdim=True)
+    safe = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
+    adv = safe - safe.mean(dim=1, keepdim=True)
     if use_std:
-        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return _zero_all_equal_groups(adv, r).view(-1)
+        adv = adv / (safe.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return _zero_flat_groups(adv, r, std_floor).view(-1)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -224,7 +244,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
                          "per prompt; set gconfig.n_samples >= 2")
     r = _groups(rewards, group_size)
     baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return _zero_all_equal_groups(r - baseline, r).view(-1)
+    return _zero_flat_groups(r - baseline, r).view(-1)
 
 
 def last_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

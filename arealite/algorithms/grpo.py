@@ -6,6 +6,7 @@ arXiv 2505.24298, Eq. 5)::
 
     r_i   = reward_i + overlong_penalty(|y_i|)              # DAPO Eq. 13; off by default
     A_i   = (r_i - mean_j r_j) / (std_j r_j + 1e-6)          # adv_norm_std=False: no division
+            (A_i = 0 for the whole group when std_j r_j <= algo.adv_std_floor, default 1e-4)
     u_t   = π_θ(a_t|s_t) / π_prox(a_t|s_t)                  # π_prox: weights before this update
     w_t   = π_prox(a_t|s_t) / π_behav(a_t|s_t)              # π_behav: the sampling weights
     ℓ_t   = w_t · max(-A_i u_t, -A_i clip(u_t, 1-ε, 1+ε_high)) + β · k3(π_θ, π_ref)_t
@@ -45,12 +46,16 @@ from arealite.api.engine import Batch, TrainEngine
 from arealite.api.workflow import RolloutWorkflow
 
 
-def should_accept(trajectory: dict[str, torch.Tensor]) -> bool:
+def should_accept(trajectory: dict[str, torch.Tensor], std_floor: float = F.STD_FLOOR) -> bool:
     """DAPO dynamic sampling filter (arXiv 2503.14476, Eq. 11): keep a group only if its
     ``rewards`` [G] are not all equal (0 < #correct < G). All-equal groups — including groups
-    of size 1 — give zero advantage and only dilute the batch."""
-    r = trajectory["rewards"].reshape(-1)
-    return bool(r.numel() > 1 and (r != r[0]).any())
+    of size 1, groups equal up to float noise (std <= ``std_floor``, see
+    :data:`functional.STD_FLOOR`) and groups with a non-finite reward — give zero advantage
+    and only dilute the batch."""
+    r = trajectory["rewards"].reshape(-1).double()
+    if r.numel() < 2 or not bool(torch.isfinite(r).all()):
+        return False
+    return bool((r != r[0]).any() and r.std(unbiased=False) > std_floor)
 
 
 class DynamicSampling(RolloutWorkflow):
@@ -103,6 +108,8 @@ class GRPO(Algorithm):
             raise ValueError(f"algo.loss_agg_mode: unknown {config.loss_agg_mode!r}; choose one of {F.LOSS_AGG_MODES}")
         if config.kl_estimator not in F.KL_ESTIMATORS:
             raise ValueError(f"algo.kl_estimator: unknown {config.kl_estimator!r}; choose one of {F.KL_ESTIMATORS}")
+        if not (isinstance(config.adv_std_floor, (int, float)) and config.adv_std_floor >= 0):
+            raise ValueError(f"algo.adv_std_floor must be a number >= 0 (e.g. 1e-4), got {config.adv_std_floor!r}")
         if config.c_clip is not None and config.c_clip <= 1.0:
             raise ValueError(f"algo.c_clip must be > 1 (dual-clip bound), got {config.c_clip}; None disables it")
         needs_len = config.loss_agg_mode == "seq-mean-token-sum-norm" or config.overlong_penalty > 0
@@ -115,11 +122,20 @@ class GRPO(Algorithm):
         self.max_new_tokens = max_new_tokens
         self.kl_in_loss = config.kl_coef > 0  # REINFORCE++ may move the KL into the reward
 
+    @classmethod
+    def from_config(cls, config, actor: TrainEngine, ref: TrainEngine | None = None):
+        """The builder the RL loop takes (:func:`arealite.launcher.rl_loop.run_rl`): ``cls`` on
+        ``config.algo`` with group size ``config.gconfig.n_samples`` and L_max
+        ``config.gconfig.max_new_tokens`` (GRPO, GSPO, RLOO, REINFORCE++)."""
+        return cls(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,
+                   max_new_tokens=config.gconfig.max_new_tokens)
+
     # -- the two places where the algorithms of this family differ -------------------------------
     def compute_advantages(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor:
         """Token advantages [B, T] float32 (0 on non-generated tokens) from the shaped
         ``rewards`` [B]. GRPO: the group-normalised reward on every generated token."""
-        adv = F.group_normalize(rewards, self.group_size, self.config.adv_norm_std)  # [B]
+        adv = F.group_normalize(rewards, self.group_size, self.config.adv_norm_std,
+                                std_floor=self.config.adv_std_floor)  # [B]
         return adv[:, None] * batch["loss_mask"].float()  # [B, T]
 
     def log_ratio(self, logprobs: torch.Tensor, prox_logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

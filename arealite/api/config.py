@@ -130,6 +130,7 @@ class GRPOAlgoConfig:
     eps_clip_high: float | None = None  # upper clip ε_high (DAPO clip-higher); None = eps_clip
     kl_coef: float = 0.0  # β of the k3 KL penalty to the reference model (0 = no reference)
     adv_norm_std: bool = True  # divide group-centred rewards by the group std (False = Dr.GRPO)
+    adv_std_floor: float = 1e-4  # groups whose reward std is <= this get 0 advantage (zero-variance)
     n_minibatches: int = 1  # PPO minibatch updates per batch
     use_decoupled_loss: bool = True  # AReaL decoupled PPO: clip around a recomputed π_prox
     behav_imp_weight_cap: float | None = 5.0  # tokens with π_prox/π_behav above this are masked
