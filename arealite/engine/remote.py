@@ -41,6 +41,9 @@ import aiohttp
 from arealite.api.config import InferenceEngineConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+from arealite.api.weight_update import (DESTROY_GROUP_ENDPOINT, INIT_GROUP_ENDPOINT, MODEL_INFO_ENDPOINT,
+                                        UPDATE_DISTRIBUTED_ENDPOINT, UPDATE_FROM_DISK_ENDPOINT, VLLM_METHODS,
+                                        VLLM_RPC_ENDPOINT, DiskUpdate, InitGroup, UpdateBucket, destroy_group_body)
 from arealite.rollout.executor import WorkflowExecutor
 
 logger = logging.getLogger("arealite.remote")
@@ -101,28 +104,26 @@ class SGLangAdapter:
 
     @staticmethod
     def disk_update(path: str, version: int) -> tuple[str, dict]:
-        return "/update_weights_from_disk", {"model_path": path, "weight_version": version,
-                                             "abort_all_requests": True}
+        return UPDATE_FROM_DISK_ENDPOINT, DiskUpdate(path, version, abort_all_requests=True).to_json()
 
     # Distributed weight updates (``inference-protocols.md`` §1.4): ``(endpoint, body)`` pairs
     # for :func:`post_control`, used by :mod:`arealite.engine.weight_sync`.
     @staticmethod
     def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
                            group_name: str, backend: str) -> tuple[str, dict]:
-        return "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}
+        return INIT_GROUP_ENDPOINT, InitGroup(master_address, master_port, rank_offset, world_size, group_name,
+                                              backend).to_json()
 
     @staticmethod
     def update_distributed_request(payload: dict) -> tuple[str, dict]:
         """``payload``: ``{names, dtypes, shapes, group_name, flush_cache, weight_version}``."""
-        return "/update_weights_from_distributed", dict(payload)
+        return UPDATE_DISTRIBUTED_ENDPOINT, dict(payload)
 
     @staticmethod
     def destroy_group_request(group_name: str) -> tuple[str, dict]:
-        return "/destroy_weights_update_group", {"group_name": group_name}
+        return DESTROY_GROUP_ENDPOINT, destroy_group_body(group_name)
 
-    weight_version_request = ("GET", "/get_model_info", None)  # (method, endpoint, body)
+    weight_version_request = ("GET", MODEL_INFO_ENDPOINT, None)  # (method, endpoint, body)
 
     @staticmethod
     def control_reply(reply: dict) -> dict:
@@ -197,36 +198,35 @@ class VLLMAdapter:
     @staticmethod
     def rpc(method: str, **kwargs) -> tuple[str, dict]:
         """``("/collective_rpc", {"method": method, "kwargs": kwargs})``; kwargs must be JSON."""
-        return "/collective_rpc", {"method": method, "kwargs": kwargs}
+        return VLLM_RPC_ENDPOINT, {"method": method, "kwargs": kwargs}
 
     @staticmethod
     def disk_update(path: str, version: int) -> tuple[str, dict]:
         """Every worker loads the ``*.safetensors`` of the HF folder ``path`` (a path on the
         server's machine) and reports ``version``."""
-        return VLLMAdapter.rpc("arealite_update_from_disk", model_path=path, weight_version=version)
+        return VLLMAdapter.rpc(VLLM_METHODS["update_from_disk"], model_path=path, weight_version=version)
 
     @staticmethod
     def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
                            group_name: str, backend: str) -> tuple[str, dict]:
         """Worker of TP rank r joins at ``rank_offset + r`` (same fields as SGLang's)."""
-        return VLLMAdapter.rpc("arealite_init_group", master_address=master_address,
-                               master_port=int(master_port), rank_offset=rank_offset, world_size=world_size,
-                               group_name=group_name, backend=backend)
+        return VLLMAdapter.rpc(VLLM_METHODS["init_group"], **InitGroup(
+            master_address, master_port, rank_offset, world_size, group_name, backend).to_json())
 
     @staticmethod
     def update_distributed_request(payload: dict) -> tuple[str, dict]:
         """SGLang's bucket payload -> the extension's kwargs. ``flush_cache`` is dropped: vLLM's
         ``/pause`` (sent before every update) already cleared the prefix cache."""
-        return VLLMAdapter.rpc("arealite_update_from_distributed", names=list(payload["names"]),
-                               dtypes=list(payload["dtypes"]), shapes=[list(s) for s in payload["shapes"]],
-                               group_name=payload.get("group_name", "weight_update_group"),
-                               weight_version=payload.get("weight_version"))
+        bucket = UpdateBucket.from_json(payload)
+        return VLLMAdapter.rpc(VLLM_METHODS["update_distributed"], names=list(bucket.names),
+                               dtypes=list(bucket.dtypes), shapes=[list(s) for s in bucket.shapes],
+                               group_name=bucket.group_name, weight_version=bucket.weight_version)
 
     @staticmethod
     def destroy_group_request(group_name: str) -> tuple[str, dict]:
-        return VLLMAdapter.rpc("arealite_destroy_group", group_name=group_name)
+        return VLLMAdapter.rpc(VLLM_METHODS["destroy_group"], group_name=group_name)
 
-    weight_version_request = ("POST", "/collective_rpc", {"method": "arealite_weight_version", "kwargs": {}})
+    weight_version_request = ("POST", VLLM_RPC_ENDPOINT, {"method": VLLM_METHODS["weight_version"], "kwargs": {}})
 
     @staticmethod
     def control_reply(reply: dict) -> dict:

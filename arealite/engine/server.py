@@ -1231,7 +1231,8 @@ class Server:
         "message"}``; 400 ``{"success": false, "message"}`` on bad fields or a failed join.
         A group of the same name is replaced (a restarted trainer).
         """
-        from arealite.engine.weight_sync import DEFAULT_GROUP_NAME, new_weight_update_group
+        from arealite.api.weight_update import DEFAULT_GROUP_NAME
+        from arealite.engine.weight_group import new_weight_update_group
 
         body = await self._json_object(request)
         if body is None:
@@ -1276,7 +1277,8 @@ class Server:
         ``flush_cache`` is accepted and ignored: loading new weights always empties the prefix
         store and stops prefix sharing with rows computed under the old weights.
         """
-        from arealite.engine.weight_sync import broadcast_tensor, parse_dtype
+        from arealite.api.weight_update import parse_dtype
+        from arealite.engine.weight_group import broadcast_tensor
 
         body = await self._json_object(request)
         if body is None:

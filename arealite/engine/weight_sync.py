@@ -35,22 +35,20 @@ then ``weight_update_meta``). Survivors hold partly updated weights until that p
 
 from __future__ import annotations
 
-import datetime
 import gc
 import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from arealite.api.weight_update import DEFAULT_GROUP_NAME, UpdateBucket, dtype_name, parse_dtype  # noqa: F401 (old import path of the dtype helpers)
 from arealite.engine.remote import SGLangAdapter, ServerError, post_control, post_json
+from arealite.engine.weight_group import WeightUpdateGroup, broadcast_tensor, new_weight_update_group
 
 logger = logging.getLogger("arealite.weight_sync")
-
-DEFAULT_GROUP_NAME = "weight_update_group"
 HEALTH_PROBE_TIMEOUT = 5.0  # [s] a server that does not answer GET /health within this failed
 
 
@@ -68,91 +66,7 @@ class WeightSyncError(ServerError):
         self.failed = list(failed)
 
 
-# ----------------------------------------------------------------------------- process group
-
-
-def new_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
-                            group_name: str, backend: str, timeout_s: float = 600.0):
-    """Join a standalone process group (not the default group) through a TCP rendezvous.
-
-    Rank 0 hosts the ``TCPStore`` at ``master_address:master_port``; the other ranks connect to
-    it. Blocks until all ``world_size`` ranks have joined.
-
-    Args:
-        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors of the current device).
-        timeout_s: rendezvous and collective timeout [s].
-
-    Returns: a :class:`WeightUpdateGroup`; use :func:`broadcast_tensor` on it.
-
-    Raises:
-        ValueError: unknown backend or rank outside ``[0, world_size)``.
-        RuntimeError / DistStoreError: a rank did not join within ``timeout_s``.
-    """
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
-    store = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    else:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    group = WeightUpdateGroup(pg, store, backend, rank, world_size)
-    # A first collective so that every rank has really connected before anyone returns.
-    broadcast_tensor(group, torch.zeros(1, device="cuda" if backend == "nccl" else "cpu"))
-    return group
-
-
-@dataclass
-class WeightUpdateGroup:
-    """A standalone process group and the store it was built on (kept alive with it)."""
-
-    pg: object
-    store: object
-    backend: str
-    rank: int
-    world_size: int
-
-
-def broadcast_tensor(group: WeightUpdateGroup, tensor: torch.Tensor, src: int = 0, abort_if=None) -> None:
-    """Blocking broadcast of ``tensor`` (in place on receivers) from ``src`` over ``group``.
-
-    ``abort_if``: optional callable polled while waiting; when it returns an exception, that
-    exception is raised instead of waiting for the group timeout (e.g. a server rejected the
-    request and will never join this broadcast).
-    """
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = src, 0
-    work = group.pg.broadcast([tensor], opts)
-    if abort_if is None:
-        work.wait()
-        return
-    while not work.is_completed():
-        error = abort_if()
-        if error is not None:
-            raise error
-        time.sleep(0.0005)
-    work.wait()  # raises if the collective failed
-
-
 # ----------------------------------------------------------------------------- trainer side
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``; ValueError if unknown."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}; use e.g. 'float32' or 'bfloat16'")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _free_port() -> int:
@@ -451,15 +365,8 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
         for k, bucket in enumerate(iter_buckets(_full_tensors(model), bucket_bytes)):
             if rank != 0 or error is not None:
                 continue  # the all-gathers above go on, so that every rank reaches the end
-            payload = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": group_name,
-                "flush_cache": True,
-            }
-            if k == n_buckets - 1:
-                payload["weight_version"] = version
+            payload = UpdateBucket.of_tensors(bucket, group_name,
+                                              version if k == n_buckets - 1 else None).to_json()
             try:
                 _send_bucket(pg, addresses, payload, [t for _, t in bucket], backend, timeout_s, adapter)
             except _PushFailed as e:
