@@ -29,3 +29,28 @@ def raise_error():
 
 def not_a_number():
     return "not a float"
+
+
+def nan_reward(*_):
+    return float("nan")
+
+
+def inf_reward(*_):
+    return float("-inf")
+
+
+_LEAK = []
+
+
+def leak_memory(mb=64):
+    """Keeps ``mb`` MiB alive in the worker after every call (a leak across calls)."""
+    _LEAK.append(bytearray(int(mb) << 20))
+    for chunk in _LEAK[-1:]:
+        chunk[::4096] = b"x" * len(chunk[::4096])  # touch every page: resident, not just mapped
+    return float(len(_LEAK))
+
+
+def memory_bomb():
+    chunks = []
+    while True:
+        chunks.append(b"x" * (32 << 20))

@@ -268,3 +268,68 @@ def test_restating_the_question_earns_no_reward():
     assert math_reward("10 + 45 is the answer.", "55") == 0.0
     assert math_reward("To solve this, add 10 + 45.", "55") == 0.0
     assert math_reward("10 + 45 = 55", "55") == 1.0
+
+
+# ---------------------------------------------------------------- fault drills: counted failures
+def test_worker_non_finite_reward_is_zero_counted_and_logged(caplog):
+    from reward_fns import inf_reward, nan_reward
+
+    with RewardWorker(timeout=30) as w:
+        with caplog.at_level(logging.WARNING, logger="arealite.reward"):
+            assert w.compute(nan_reward, "completion text", "42") == 0.0
+            assert w.compute(inf_reward, "x", "y") == 0.0
+            assert w.compute(add, 1.5, 1.5) == 3.0
+        msgs = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+        assert len(msgs) == 2 and "nan_reward" in msgs[0] and "'completion text', '42'" in msgs[0]
+        assert w.stats == {"calls": 3, "ok": 1, "timeout": 0, "crash": 0, "memory": 0, "error": 0,
+                           "bad_type": 0, "non_finite": 2}
+        assert w.stats_snapshot()["reward/non_finite"] == 2
+
+
+def test_worker_hang_crash_raise_are_each_counted():
+    from reward_fns import hard_exit, not_a_number, raise_error, sleep_forever
+
+    with RewardWorker(timeout=1.5) as w:
+        t0 = time.monotonic()
+        rewards = [w.compute(sleep_forever, 30.0), w.compute(hard_exit), w.compute(raise_error),
+                   w.compute(not_a_number), w.compute(add, 2, 2)]
+        assert rewards == [0.0, 0.0, 0.0, 0.0, 4.0]
+        assert time.monotonic() - t0 < 30  # the hang was bounded by the 1.5 s timeout
+        assert w.stats == {"calls": 5, "ok": 1, "timeout": 1, "crash": 1, "memory": 0, "error": 1,
+                           "bad_type": 1, "non_finite": 0}
+
+
+def test_worker_memory_leak_across_calls_is_bounded_by_a_fresh_pool():
+    """Each call keeps 64 MiB alive in the worker: with a 300 MiB limit the worker is ended (and
+    its memory freed) before the 4th or 5th call completes, the next call runs on a fresh pool
+    (counter restarts at 1), and the host never holds more than limit + one poll's growth."""
+    from reward_fns import leak_memory
+
+    with RewardWorker(timeout=30, max_memory_mb=300) as w:
+        out = [w.compute(leak_memory, 64) for _ in range(8)]
+        assert w.stats["memory"] >= 1 and w.stats["crash"] == 0
+        first_kill = out.index(0.0)
+        assert out[:first_kill] == [float(i) for i in range(1, first_kill + 1)] and 2 <= first_kill <= 5
+        assert out[first_kill + 1] == 1.0  # fresh worker, empty leak list
+        for p in w._pool._processes.values():
+            with open(f"/proc/{p.pid}/status") as f:
+                rss_kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS"))
+            assert rss_kb < 300 * 1024
+
+
+def test_worker_memory_bomb_inside_one_call_is_ended():
+    from reward_fns import memory_bomb
+
+    with RewardWorker(timeout=60, max_memory_mb=400) as w:
+        t0 = time.monotonic()
+        assert w.compute(memory_bomb) == 0.0
+        assert time.monotonic() - t0 < 30
+        assert w.stats["memory"] == 1
+        assert w.compute(add, 1, 1) == 2.0
+
+
+def test_worker_bad_settings_name_the_field():
+    for kw, field in [({"timeout": 0}, "timeout"), ({"max_workers": 0}, "max_workers"),
+                      ({"max_memory_mb": -5}, "max_memory_mb"), ({"startup_timeout": 0}, "startup_timeout")]:
+        with pytest.raises(ValueError, match=field):
+            RewardWorker(**kw)

@@ -1,10 +1,11 @@
 """Run reward functions in a separate process with a timeout.
 
-A reward function that hangs (sympy blow-up), crashes the interpreter, or raises
-must not kill or stall the RL loop.  :class:`RewardWorker` runs it in a
-``ProcessPoolExecutor`` using the *spawn* start method (the trainer has torch
-threads running, so fork is unsafe) and turns every failure into a reward of 0.0
-plus a warning on the ``"arealite.reward"`` logger.
+A reward function that hangs (sympy blow-up), crashes the interpreter, leaks or
+bombs memory, raises, or returns NaN must not kill or stall the RL loop.
+:class:`RewardWorker` runs it in a ``ProcessPoolExecutor`` using the *spawn*
+start method (the trainer has torch threads running, so fork is unsafe) and turns
+every failure into a reward of 0.0, a warning on the ``"arealite.reward"`` logger
+and a count in :attr:`RewardWorker.stats` (for the training loop's logs).
 """
 
 from __future__ import annotations
@@ -13,14 +14,56 @@ import asyncio
 import concurrent.futures
 import importlib
 import logging
+import math
 import multiprocessing
 import os
 import threading
+import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
 logger = logging.getLogger("arealite.reward")
+
+
+# Exit status of a worker whose resident memory went over ``max_memory_mb`` (its watchdog ends it).
+MEMORY_EXIT_CODE = 87
+# Counter names of :attr:`RewardWorker.stats`.
+STAT_KEYS = ("calls", "ok", "timeout", "crash", "memory", "error", "bad_type", "non_finite")
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc/self/statm``), 0 where unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _worker_init(parent_pid: int, max_rss_bytes: int | None, poll_s: float = 0.02) -> None:
+    """Worker start-up: exit when the trainer dies, and, with ``max_rss_bytes``, a watchdog
+    thread that ends the worker with :data:`MEMORY_EXIT_CODE` as soon as its resident memory
+    exceeds that many bytes (polled every ``poll_s`` s; a leak across calls or a bomb inside
+    one call). RSS, not RLIMIT_AS: a worker that imported torch maps gigabytes it never uses."""
+    from arealite.utils.proc import exit_when_parent_dies
+
+    exit_when_parent_dies(parent_pid)
+    if not max_rss_bytes:
+        return
+
+    def watch() -> None:
+        while True:
+            if _rss_bytes() > max_rss_bytes:
+                os._exit(MEMORY_EXIT_CODE)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="reward-memory-watch", daemon=True).start()
+
+
+def _short(args: tuple, limit: int = 300) -> str:
+    text = ", ".join(repr(a) for a in args)
+    return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2:]
 
 
 def _import_module(name: str) -> bool:
@@ -41,16 +84,28 @@ def _fn_name(fn: Any) -> str:
 class RewardWorker:
     """Computes rewards in worker processes with a per-call timeout.
 
-    Failure handling (every failure returns 0.0 and logs a WARNING on the
-    ``"arealite.reward"`` logger naming the function):
+    Failure handling (every failure returns 0.0, logs a WARNING on the
+    ``"arealite.reward"`` logger naming the function and the (shortened) arguments,
+    and counts one in :attr:`stats`):
 
     * **timeout** (``fn`` runs longer than ``timeout`` seconds): the pool's worker
       processes are killed and a fresh pool is created, so a hung worker cannot
       block later calls.
     * **worker crash** (``BrokenProcessPool``, e.g. ``fn`` calls ``os._exit(1)``
       or segfaults): a fresh pool is created.
-    * **exception raised by fn**, or a result that is not convertible to float:
-      the pool is kept.
+    * **memory** (a worker's resident memory exceeds ``max_memory_mb``: a leak that
+      grows across calls or a bomb inside one): its watchdog ends it (exit status
+      :data:`MEMORY_EXIT_CODE`) and a fresh pool is created — the leaked memory is
+      returned to the system.
+    * **exception raised by fn** (``error``), a result that is not convertible to
+      float (``bad_type``), or a NaN/±inf result (``non_finite``): the pool is kept.
+      A non-finite reward never reaches the batch (group normalisation would turn
+      the whole step into NaN).
+
+    :attr:`stats` counts, since construction, ``calls`` (every acompute), ``ok``
+    (a finite float came back) and one counter per failure kind above
+    (``timeout``, ``crash``, ``memory``, ``error``, ``bad_type``, ``non_finite``);
+    ``ok`` + the failures == ``calls`` once every call returned.
 
     The timeout clock starts when the call is submitted to a free worker slot:
     calls beyond ``max_workers`` wait (per event loop) for a slot without the
@@ -73,15 +128,27 @@ class RewardWorker:
         max_workers: number of worker processes.
         startup_timeout: limit in seconds for spawning a worker and importing the
             reward function's module on a fresh pool.
+        max_memory_mb: resident-memory limit of each worker process [MiB]; None: no limit.
+
+    Raises:
+        ValueError: a non-positive ``timeout``/``startup_timeout``/``max_memory_mb`` or
+            ``max_workers < 1`` (named).
     """
 
     def __init__(
-        self, timeout: float = 10.0, max_workers: int = 1, startup_timeout: float = 120.0
+        self, timeout: float = 10.0, max_workers: int = 1, startup_timeout: float = 120.0,
+        max_memory_mb: float | None = 4096,
     ):
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"reward timeout must be > 0 seconds, got {timeout!r}")
+        if not (isinstance(max_workers, int) and max_workers >= 1):
+            raise ValueError(f"reward max_workers must be an int >= 1, got {max_workers!r}")
+        if not (isinstance(startup_timeout, (int, float)) and startup_timeout > 0):
+            raise ValueError(f"reward startup_timeout must be > 0 seconds, got {startup_timeout!r}")
+        if max_memory_mb is not None and not (isinstance(max_memory_mb, (int, float)) and max_memory_mb > 0):
+            raise ValueError(f"reward max_memory_mb must be > 0 MiB or None (no limit), got {max_memory_mb!r}")
+        self.max_memory_mb = max_memory_mb
+        self.stats: dict[str, int] = {k: 0 for k in STAT_KEYS}
         self.timeout = float(timeout)
         self.max_workers = int(max_workers)
         self.startup_timeout = float(startup_timeout)
@@ -100,11 +167,10 @@ class RewardWorker:
     # ------------------------------------------------------------------ pool
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         # Workers exit by themselves if this process is SIGKILLed (no orphans).
-        from arealite.utils.proc import exit_when_parent_dies
-
+        limit = None if self.max_memory_mb is None else int(self.max_memory_mb * (1 << 20))
         return concurrent.futures.ProcessPoolExecutor(
             max_workers=self.max_workers, mp_context=self._ctx,
-            initializer=exit_when_parent_dies, initargs=(os.getpid(),),
+            initializer=_worker_init, initargs=(os.getpid(), limit),
         )
 
     def _current(self) -> tuple[concurrent.futures.ProcessPoolExecutor, int]:
@@ -171,6 +237,15 @@ class RewardWorker:
                 self._warm_modules.add(module)
 
     # ------------------------------------------------------------------ API
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
+
+    def stats_snapshot(self, prefix: str = "reward/") -> dict[str, int]:
+        """A copy of :attr:`stats` with ``prefix`` on each name (``reward/timeout``, ...)."""
+        with self._lock:
+            return {prefix + k: v for k, v in self.stats.items()}
+
     async def acompute(self, fn: Callable[..., Any], *args: Any) -> float:
         """Run picklable ``fn(*args)`` in a worker process and return ``float(result)``.
 
@@ -179,13 +254,31 @@ class RewardWorker:
             *args: picklable arguments.
 
         Returns:
-            ``float(fn(*args))``, or 0.0 (with a logged warning) if ``fn`` times
-            out after ``self.timeout`` seconds, crashes its worker process, raises,
-            or returns something not convertible to float.
+            ``float(fn(*args))`` when finite, or 0.0 (with a logged warning naming ``fn``
+            and its arguments, and a count in :attr:`stats`) if ``fn`` times out after
+            ``self.timeout`` seconds, crashes its worker process, exceeds
+            ``max_memory_mb``, raises, or returns something not convertible to float
+            or NaN/±inf.
 
         Raises:
             RuntimeError: if the worker has been closed.
         """
+        self._count("calls")
+        value, kind = await self._acompute(fn, args)
+        self._count(kind)
+        if kind == "ok" and not math.isfinite(value):
+            with self._lock:
+                self.stats["ok"] -= 1
+                self.stats["non_finite"] += 1
+            logger.warning("reward fn %s returned %r (not finite) for args (%s); reward=0.0",
+                           _fn_name(fn), value, _short(args))
+            return 0.0
+        if kind != "ok":
+            logger.warning("reward failure (%s) of %s for args (%s)", kind, _fn_name(fn), _short(args))
+        return value
+
+    async def _acompute(self, fn: Callable[..., Any], args: tuple) -> tuple[float, str]:
+        """(reward, kind): kind "ok" or the :attr:`stats` failure name (reward 0.0)."""
         name = _fn_name(fn)
         async with self._semaphore():
             await self._warm(getattr(fn, "__module__", "") or "")
@@ -200,20 +293,21 @@ class RewardWorker:
                         name,
                         self.timeout,
                     )
-                    return 0.0
+                    return 0.0, "timeout"
                 pool, gen = self._current()
                 try:
                     cfut = pool.submit(fn, *args)
+                    procs = list((getattr(pool, "_processes", None) or {}).values())
                 except (BrokenProcessPool, RuntimeError) as e:
                     # pool broke/shut down between _current() and submit
                     if attempt == 0:
                         self._replace_pool(gen, kill=False)
                         continue
                     logger.warning("reward fn %s could not be submitted (%r); reward=0.0", name, e)
-                    return 0.0
+                    return 0.0, "error"
                 except Exception as e:  # e.g. unpicklable arguments
                     logger.warning("reward fn %s could not be submitted (%r); reward=0.0", name, e)
-                    return 0.0
+                    return 0.0, "error"
                 try:
                     result = await asyncio.wait_for(asyncio.wrap_future(cfut), remaining)
                 except asyncio.TimeoutError:
@@ -224,7 +318,7 @@ class RewardWorker:
                         self.timeout,
                     )
                     self._replace_pool(gen, kill=True)
-                    return 0.0
+                    return 0.0, "timeout"
                 except BrokenProcessPool as e:
                     with self._lock:
                         killed_by_other = gen in self._killed_generations
@@ -232,6 +326,14 @@ class RewardWorker:
                         # another call's timeout killed our pool: retry once
                         self._replace_pool(gen, kill=False)
                         continue
+                    for p in procs:
+                        p.join(timeout=1.0)
+                    if any(p.exitcode == MEMORY_EXIT_CODE for p in procs):
+                        logger.warning(
+                            "reward worker exceeded max_memory_mb=%s MiB while running %s; "
+                            "starting a fresh pool; reward=0.0", self.max_memory_mb, name)
+                        self._replace_pool(gen, kill=False)
+                        return 0.0, "memory"
                     logger.warning(
                         "reward worker process crashed while running %s (%r); "
                         "starting a fresh pool; reward=0.0",
@@ -239,15 +341,15 @@ class RewardWorker:
                         e,
                     )
                     self._replace_pool(gen, kill=False)
-                    return 0.0
+                    return 0.0, "crash"
                 except asyncio.CancelledError:
                     cfut.cancel()
                     raise
                 except Exception as e:
                     logger.warning("reward fn %s raised %r; reward=0.0", name, e)
-                    return 0.0
+                    return 0.0, "error"
                 try:
-                    return float(result)
+                    return float(result), "ok"
                 except Exception as e:
                     logger.warning(
                         "reward fn %s returned %r, not convertible to float (%r); reward=0.0",
@@ -255,8 +357,8 @@ class RewardWorker:
                         result,
                         e,
                     )
-                    return 0.0
-            return 0.0
+                    return 0.0, "bad_type"
+            return 0.0, "error"
 
     def compute(self, fn: Callable[..., Any], *args: Any) -> float:
         """Synchronous :meth:`acompute` for evaluation scripts.
