@@ -11,6 +11,7 @@ tensor must equal B's bit for bit. NOT a test of a real vLLM.
 """
 
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -29,12 +30,14 @@ from arealite.engine.weight_sync import (_free_port, broadcast_tensor, broadcast
 from conftest import save_tiny_model
 
 
-class FakeVLLMModel:
+class FakeVLLMModel(torch.nn.Module):
     """``load_weights(weights)`` as vLLM's models have it: an iterable of ``(HF name, tensor)``;
     copies into the parameter of that name (casting dtype), KeyError on an unknown name,
-    returns the loaded names."""
+    returns the loaded names. An ``nn.Module`` holding the HF model (the extension walks its
+    modules for tied parameters)."""
 
     def __init__(self, hf):
+        super().__init__()
         self.hf = hf
 
     def load_weights(self, weights):
@@ -47,11 +50,20 @@ class FakeVLLMModel:
 
 
 class FakeWorker(WeightUpdateExtension):
-    """What vLLM builds with ``--worker-extension-cls``: its worker with the extension as a base."""
+    """What vLLM builds with ``--worker-extension-cls``: its worker with the extension as a base.
+    ``reload_weights`` stands for vLLM's in-place reload (one call = one complete update) and
+    records the names of each call."""
 
     def __init__(self, rank: int, hf):
         self.rank = rank
-        self.model_runner = SimpleNamespace(model=FakeVLLMModel(hf), device=torch.device("cpu"))
+        self.model_runner = SimpleNamespace(model=FakeVLLMModel(hf) if hf is not None else None,
+                                            device=torch.device("cpu"))
+        self.reloads: list[list[str]] = []
+
+    def reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
+        weights = list(weights_iterator)
+        self.reloads.append([n for n, _ in weights])
+        self.model_runner.model.load_weights(weights)
 
 
 @contextmanager
@@ -117,14 +129,17 @@ def _assert_same_weights(worker_hf, sender_hf):
     assert worker_hf.lm_head.weight.data_ptr() == worker_hf.model.embed_tokens.weight.data_ptr()
 
 
-def _push(addr, group, sender_hf, group_name, version, bucket_bytes):
-    """The trainer side of one update, bucket by bucket (what weight_sync.broadcast_weights does)."""
+def _push(addr, group, sender_hf, group_name, version, bucket_bytes, stop_after=None):
+    """The trainer side of one update, bucket by bucket (what weight_sync.broadcast_weights does:
+    only the last bucket carries ``weight_version``). ``stop_after``: send only that many buckets
+    (a trainer that dies half-way)."""
+    buckets = list(iter_buckets(((n, p.detach()) for n, p in sender_hf.named_parameters()), bucket_bytes))
     n_buckets = 0
     with ThreadPoolExecutor(1) as pool:
-        for bucket in iter_buckets(((n, p.detach()) for n, p in sender_hf.named_parameters()), bucket_bytes):
+        for i, bucket in enumerate(buckets[:stop_after]):
             payload = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                        "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name,
-                       "flush_cache": True, "weight_version": version}
+                       "flush_cache": True, "weight_version": version if i == len(buckets) - 1 else None}
             reply = pool.submit(post_control, VLLMAdapter, addr, VLLMAdapter.update_distributed_request(payload), 60)
             for _, t in bucket:
                 broadcast_tensor(group, t.contiguous())
@@ -155,6 +170,8 @@ def test_distributed_update_tp2_leaves_workers_bit_identical(tiny_model_dir, mod
         assert reply["message"] == "rank 0: joined 'g' as rank 1/3 (gloo); rank 1: joined 'g' as rank 2/3 (gloo)"
         n_buckets = _push(addr, group, sender, "g", version=7, bucket_bytes=64 * 1024)
         assert n_buckets > 2  # several buckets, embedding (49152×64×4 B = 12 MiB) alone in its own
+        # one in-place reload per worker with every tensor, at the last bucket
+        assert [len(r) for r in workers[0].reloads] == [len(list(sender.named_parameters()))]
         method, endpoint, body = VLLMAdapter.weight_version_request
         assert VLLMAdapter.parse_weight_version(post_json(addr, endpoint, body, method=method)) == 7
         # destroy: the group is gone afterwards
@@ -170,8 +187,9 @@ def test_disk_reload_leaves_workers_bit_identical(tiny_model_dir, model_b):
     workers = [FakeWorker(r, _load(tiny_model_dir)) for r in (0, 1)]
     with fake_vllm_server(workers) as addr:
         reply = post_control(VLLMAdapter, addr, VLLMAdapter.disk_update(model_b, 3), 60)
-        assert reply == {"success": True, "weight_version": 3,
-                         "message": f"rank 0: loaded {model_b!r}; rank 1: loaded {model_b!r}"}
+        assert reply["success"] and reply["weight_version"] == 3
+        assert re.fullmatch(rf"rank 0: loaded {re.escape(repr(model_b))} in [0-9.]+ s; "
+                            rf"rank 1: loaded {re.escape(repr(model_b))} in [0-9.]+ s", reply["message"])
         with pytest.raises(ServerError, match="rank 0: model_path '/nonexistent' is not a folder on this server"):
             post_control(VLLMAdapter, addr, VLLMAdapter.disk_update("/nonexistent", 4), 10)
     for w in workers:
@@ -202,6 +220,28 @@ def test_update_errors_are_reported_per_worker(tiny_model_dir, model_b):
         assert workers[1].arealite_weight_version()["weight_version"] == 2
     assert not torch.equal(before["model.embed_tokens.weight"], sender.model.embed_tokens.weight)
     _assert_same_weights(workers[1].model_runner.model.hf, sender)
+
+
+def test_push_cut_half_way_changes_nothing_and_is_dropped(tiny_model_dir, model_b):
+    """A sender that stops after the first of several buckets (it died): the staged tensors are
+    never applied, the workers keep their weights and version; a new group drops them and the
+    next complete push is applied in one reload."""
+    sender = _load(model_b)
+    workers = [FakeWorker(r, _load(tiny_model_dir)) for r in (0, 1)]
+    before = {k: v.clone() for k, v in workers[0].model_runner.model.hf.state_dict().items()}
+    with fake_vllm_server(workers) as addr:
+        group, _ = _join(addr, "c")
+        assert _push(addr, group, sender, "c", version=1, bucket_bytes=1, stop_after=3) == 3
+        assert workers[0].reloads == [] and workers[0].arealite_weight_version()["weight_version"] is None
+        for name, t in workers[0].model_runner.model.hf.state_dict().items():
+            assert torch.equal(t, before[name]), name
+        group, _ = _join(addr, "c")  # the trainer's retry: a fresh group
+        n = _push(addr, group, sender, "c", version=2, bucket_bytes=1)
+        assert n == len(list(sender.named_parameters()))  # one tensor per bucket
+        assert [len(r) for r in workers[1].reloads] == [n]  # the 3 stale tensors were dropped
+    for w in workers:
+        _assert_same_weights(w.model_runner.model.hf, sender)
+        assert w.arealite_weight_version()["weight_version"] == 2
 
 
 def test_rank_outside_the_group_is_refused():
