@@ -7,24 +7,20 @@ Command line (any HF folder, e.g. a checkpoint written by a recipe)::
     python -m arealite.evaluate --dataset ../shared/data/gsm8k/test.jsonl --max-new-tokens 256
 
 Prints ``accuracy X/N = p`` and a JSON line. Uses HF ``generate`` (left padding, greedy), so it is
-independent of our server and trainer; :func:`aevaluate` does the same through a running
-inference engine inside a recipe.
+independent of our server and trainer; ``RLVRWorkflow.aevaluate`` does the same through a
+running inference engine inside a recipe.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-from dataclasses import replace
 
 import torch
 
-from arealite.api.config import GenerationConfig
-from arealite.api.io_struct import ModelRequest
 from arealite.dataset.math_data import load_dataset
 from arealite.reward.math import math_reward
-from arealite.workflow.rlvr import tokenize_chat
+from arealite.utils.hf import tokenize_chat
 
 
 @torch.no_grad()
@@ -52,20 +48,6 @@ def evaluate_hf(model_path: str, rows: list[dict], max_new_tokens: int = 24, bat
         for r, seq in zip(chunk, out[:, width:]):
             correct += math_reward(tok.decode(seq, skip_special_tokens=True), r["answer"]) > 0.5
     return correct / max(1, len(rows))
-
-
-async def aevaluate(engine, tokenizer, rows: list[dict], gconfig: GenerationConfig) -> float:
-    """Greedy accuracy through an inference engine (``agenerate``), e.g. inside a recipe."""
-    greedy = replace(gconfig, greedy=True, n_samples=1)
-    try:
-        resps = await asyncio.gather(*[
-            engine.agenerate(ModelRequest(input_ids=tokenize_chat(tokenizer, r["messages"]), gconfig=greedy))
-            for r in rows
-        ])
-    finally:
-        await engine.aclose()  # the HTTP session is bound to this event loop
-    scores = [math_reward(tokenizer.decode(x.output_tokens, skip_special_tokens=True), r["answer"]) for x, r in zip(resps, rows)]
-    return sum(s > 0.5 for s in scores) / max(1, len(rows))
 
 
 def main(argv: list[str] | None = None) -> dict:

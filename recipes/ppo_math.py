@@ -1,39 +1,39 @@
-"""Asynchronous PPO with a critic on math: the loop of ``grpo_math.py`` plus a value model.
+"""Asynchronous PPO with a critic on math: the GRPO recipe plus a value model.
 
     torchrun --nproc_per_node=1 recipes/ppo_math.py
     python recipes/ppo_math.py --config recipes/configs/ppo_math.yaml --critic.optimizer.lr 5e-5
 
 The critic (``FSDPCriticEngine``: the policy's backbone with a zero-initialised value head, its
-own optimizer, ``--critic.*``) is loaded from ``critic.path`` (default: the actor's model folder); PPO computes GAE
-advantages from its values and takes one actor and one critic step per minibatch (see
-``arealite/algorithms/ppo.py``). Only the actor's weights go to the inference servers. The rest
-of the loop — asynchronous rollouts, staleness bound, weight sync, logging, outputs under
-``outputs/ppo_math/trial0/`` — is ``recipes/grpo_math.py``; read it top to bottom.
+own optimizer, ``--critic.*``) is loaded from ``critic.path`` (default: the actor's model
+folder); PPO computes GAE advantages from its values and takes one actor and one critic step per
+minibatch (see ``arealite/algorithms/ppo.py``). Only the actor's weights go to the inference
+servers; recover checkpoints hold both. The loop is :func:`arealite.launcher.rl_loop.run_rl`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arealite.algorithms.ppo import PPO
+from arealite.api.config import PPOConfig
+from arealite.engine.fsdp import FSDPCriticEngine
+from arealite.launcher.rl_loop import main as run
+from arealite.reward.math import math_reward
+from arealite.utils.hf import resolve_model_path
+from arealite.workflow.rlvr import RLVRWorkflow
 
-from grpo_math import main  # noqa: E402  (the shared explicit loop)
 
-from arealite.algorithms.ppo import PPO  # noqa: E402
-from arealite.api.config import PPOConfig  # noqa: E402
-from arealite.engine.fsdp import FSDPCriticEngine  # noqa: E402
-from arealite.utils.hf import resolve_model_path  # noqa: E402
-
-
-def build_ppo(config: PPOConfig, actor, ref, model_path: str) -> PPO:
+def build_ppo(config: PPOConfig, actor, ref) -> PPO:
     """Build and load the critic engine (``--critic.*``), then PPO on actor + critic (+ ref)."""
-    critic = FSDPCriticEngine(config.critic)  # critic.path "" = the actor's model folder
-    critic.initialize(resolve_model_path(config.critic.path) if config.critic.path else model_path,
-                      config.total_train_steps)
+    critic = FSDPCriticEngine(config.critic)
+    critic.initialize(resolve_model_path(config.critic.path or config.actor.path), config.total_train_steps)
     return PPO(config.algo, actor, critic, group_size=config.gconfig.n_samples, ref=ref,
                max_new_tokens=config.gconfig.max_new_tokens)
 
 
+def main(argv: list[str] | None = None) -> dict:
+    return run(PPOConfig, build_ppo, lambda c, tok, d: RLVRWorkflow(math_reward, c.gconfig, tok, dump_dir=d), argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:], PPOConfig, build_ppo)
+    main(sys.argv[1:])

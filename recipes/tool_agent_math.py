@@ -6,20 +6,18 @@
 
 The model may write a ```python block; it runs in :mod:`arealite.sandbox` (limits in ``sandbox.*``)
 and its output comes back as a message; a turn without code is the final answer, scored by the
-math reward (:mod:`arealite.workflow.tool_agent`). Same loop as ``multi_turn_math.py``; logs
-``rollout/reward`` and ``rollout/turns``; ``rollouts/rollouts.jsonl`` has ``info.tool_calls``.
+math reward (:mod:`arealite.workflow.tool_agent`). The loop is
+:func:`arealite.launcher.rl_loop.run_rl`; ``rollouts/rollouts.jsonl`` has ``info.tool_calls``.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multi_turn_math import train  # noqa: E402
-
-from arealite.api.config import ToolAgentGRPOConfig, load_config  # noqa: E402
-from arealite.workflow.tool_agent import ToolAgentMathWorkflow  # noqa: E402
+from arealite.algorithms.grpo import GRPO
+from arealite.api.config import ToolAgentGRPOConfig
+from arealite.launcher.rl_loop import main as run
+from arealite.workflow.tool_agent import ToolAgentMathWorkflow
 
 
 def build_tool_agent(config: ToolAgentGRPOConfig, tokenizer, dump_dir: str | None) -> ToolAgentMathWorkflow:
@@ -29,7 +27,7 @@ def build_tool_agent(config: ToolAgentGRPOConfig, tokenizer, dump_dir: str | Non
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return train(load_config(ToolAgentGRPOConfig, argv), build_tool_agent)
+    return run(ToolAgentGRPOConfig, GRPO.from_config, build_tool_agent, argv)
 
 
 if __name__ == "__main__":

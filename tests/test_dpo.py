@@ -106,7 +106,6 @@ class BigramEngine(TrainEngine):
         return {"loss": 0.0, "grad_norm": float(self.W.grad.norm()), "lr": self.lr}
 
     def save(self, path): ...
-    def upload_weights(self, meta): ...
 
 
 def _pair_batch():
@@ -229,7 +228,7 @@ def test_arithmetic_pairs_are_correct_vs_wrong_and_seeded():
 
 def test_preference_collator_interleaves_pairs_and_masks_prompts(tiny_model_dir):
     from arealite.utils.hf import load_tokenizer
-    from arealite.workflow.rlvr import tokenize_chat
+    from arealite.utils.hf import tokenize_chat
 
     tok = load_tokenizer(tiny_model_dir)
     rows = [{"messages": [{"role": "user", "content": "What is 1 + 1?"}], "chosen": "2", "rejected": "three"},

@@ -13,7 +13,7 @@ from arealite.api.config import GenerationConfig
 from arealite.api.io_struct import ModelResponse
 from arealite.sandbox import SandboxConfig
 from arealite.workflow.multi_turn import MathFeedbackEnv, MultiTurnMathWorkflow, chat_segment_ids
-from arealite.workflow.rlvr import tokenize_chat
+from arealite.utils.hf import tokenize_chat
 from arealite.workflow.tool_agent import ToolAgentMathWorkflow, extract_code, truncate_after_code
 
 

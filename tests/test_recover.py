@@ -16,9 +16,11 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from arealite.api.config import InferenceEngineConfig, RecoverConfig
+from arealite.api.engine import InferenceEngine
+from arealite.dataset.loader import EpochLoader
 from arealite.api.workflow import RolloutWorkflow
 from arealite.rollout.executor import WorkflowExecutor
-from arealite.utils.recover import EpochLoader, list_checkpoints, resolve_checkpoint, should_save
+from arealite.utils.recover import list_checkpoints, resolve_checkpoint, should_save
 from conftest import REPO_ROOT
 
 
@@ -75,8 +77,13 @@ def test_epoch_loader_resumes_at_every_position_including_epoch_boundaries():
         assert head + [b.next() for _ in range(12 - k)] == expected, k
 
 
-class _Engine:
-    executor = None
+class _Engine(InferenceEngine):
+    """Generates nothing (the workflow is instant); owns the weight version, as every engine."""
+
+    async def agenerate(self, req): raise NotImplementedError
+    def update_weights(self, meta): ...
+    def pause_generation(self): ...
+    def continue_generation(self): ...
 
 
 class _RecordingWorkflow(RolloutWorkflow):
@@ -88,7 +95,7 @@ class _RecordingWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine, data):
         self.started.append(data["id"])
         await asyncio.sleep(0)
-        v = engine.executor.get_version()
+        v = engine.get_version()
         return {"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 2, dtype=torch.bool),
                 "loss_mask": torch.tensor([[0, 1]]), "versions": torch.tensor([[-1, v]]),
                 "rewards": torch.tensor([float(data["id"])])}
@@ -99,16 +106,14 @@ def _train(ex, dl, wf, steps, version=0):
     for step in range(version, version + steps):
         trained += [int(r) for r in ex.prepare_batch(dl, wf)["rewards"].tolist()]
         ex.pause()
-        ex.set_version(step + 1)
+        ex.engine.set_version(step + 1)
         ex.resume()
     return trained
 
 
 def _executor():
-    engine = _Engine()
     ex = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=4, max_head_offpolicyness=1,
-                                                max_concurrent_rollouts=64), engine)
-    engine.executor = ex
+                                                max_concurrent_rollouts=64), _Engine())
     ex.initialize()
     return ex
 
@@ -117,25 +122,27 @@ def test_executor_resume_neither_skips_nor_repeats_prompts():
     rows = [{"id": i} for i in range(18)]  # 4.5 steps per epoch: resumes mid-epoch
     ex = _executor()
     try:
-        reference = _train(ex, _loader(rows, 2), _RecordingWorkflow(), steps=10)
+        reference = _train(ex, EpochLoader(_loader(rows, 2)), _RecordingWorkflow(), steps=10)
     finally:
         ex.destroy()
-    first = _executor()
+    first, data = _executor(), EpochLoader(_loader(rows, 2))
     try:
-        trained = _train(first, _loader(rows, 2), _RecordingWorkflow(), steps=4)
-        state = pickle.loads(pickle.dumps(first.state_dict()))  # as stored in a checkpoint
+        trained = _train(first, data, _RecordingWorkflow(), steps=4)
+        # as stored in a checkpoint: the executor's pending rows and the loader's position
+        state, data_state = pickle.loads(pickle.dumps((first.state_dict(), data.state_dict())))
     finally:
         first.destroy()
     pending = [r["id"] for r in state["pending_rows"]]
     assert len(pending) >= 8  # (η + 1)·B rows were pulled ahead and not trained on
     assert pending == reference[16:16 + len(pending)]  # exactly the rows next in line
-    second = _executor()
+    second, data = _executor(), EpochLoader(_loader(rows, 2))
     wf = _RecordingWorkflow()
     try:
         second.load_state_dict(state)
-        second.set_version(4)
+        data.load_state_dict(data_state)
+        second.engine.set_version(4)
         assert second.staleness.stat.accepted == 16 and second.staleness.stat.running == 0
-        trained += _train(second, _loader(rows, 2), wf, steps=6, version=4)
+        trained += _train(second, data, wf, steps=6, version=4)
     finally:
         second.destroy()
     assert wf.started[: len(pending)] == pending  # resubmitted first, in their order
@@ -143,12 +150,12 @@ def test_executor_resume_neither_skips_nor_repeats_prompts():
     assert sorted(reference[:18]) == list(range(18))  # (and the first epoch is each row once)
 
 
-def test_executor_state_needs_a_stateful_dataloader():
-    ex = _executor()
+def test_data_position_needs_a_stateful_dataloader():
+    ex, data = _executor(), EpochLoader([[{"id": 0}, {"id": 1}]] * 4)
     try:
-        _train(ex, [[{"id": 0}, {"id": 1}]] * 4, _RecordingWorkflow(), steps=1)
+        _train(ex, data, _RecordingWorkflow(), steps=1)
         with pytest.raises(TypeError, match="StatefulDataLoader"):
-            ex.state_dict()
+            data.state_dict()
     finally:
         ex.destroy()
 
@@ -221,7 +228,7 @@ def test_grpo_recipe_resumes_at_the_saved_step_and_version(tiny_model_dir, tmp_p
     run("--total_train_steps", "2")
     assert [s for s, _ in list_checkpoints(str(out / "recover"))] == [2]  # keep_last = 1
     saved = torch.load(out / "recover" / "step2" / "trainer_state_rank0.pt", weights_only=False)
-    assert saved["engines"]["actor"]["version"] == 2 and saved["stateful"]["rollout"]["returned"] == 8
+    assert saved["step"] == 2 and saved["stateful"]["rollout"]["returned"] == 8  # step = weight version
     assert len(saved["stateful"]["rollout"]["pending_rows"]) >= 4  # pulled ahead, not trained: run again
     n_lines = len(open(out / "stats.jsonl").readlines())
 

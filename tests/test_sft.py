@@ -34,7 +34,6 @@ class FixedEngine(TrainEngine):
         return {"loss": float(total.detach()), "grad_norm": 0.0, "lr": 0.0}
 
     def save(self, path): ...
-    def upload_weights(self, meta): ...
 
 
 LP = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, -5.0]])
@@ -132,7 +131,7 @@ def test_gsm8k_train_file_loads_without_calculator_annotations():
 
 def test_tokenize_masks_prompt_and_keeps_eos_then_truncates(tiny_model_dir):
     from arealite.utils.hf import load_tokenizer
-    from arealite.workflow.rlvr import tokenize_chat
+    from arealite.utils.hf import tokenize_chat
 
     tok = load_tokenizer(tiny_model_dir)
     msgs = [{"role": "user", "content": "What is 2 + 2?"}]

@@ -8,6 +8,7 @@ import torch
 
 from arealite.api.config import InferenceEngineConfig
 from arealite.api.workflow import RolloutWorkflow
+from arealite.api.engine import InferenceEngine
 from arealite.rollout.executor import WorkflowExecutor
 from arealite.rollout.staleness import StalenessManager
 
@@ -51,13 +52,17 @@ def test_bad_staleness_config_names_the_field(field, value):
         StalenessManager(**kwargs)
 
 
-class FakeEngine:
+class FakeEngine(InferenceEngine):
     """Stands in for the inference engine: 'generation' takes `gen_time` seconds and every token is
-    tagged with the executor version at the time it finishes (like the server's weight_version)."""
+    tagged with the engine's version at the time it finishes (like the server's weight_version)."""
 
     def __init__(self, gen_time=0.05):
         self.gen_time = gen_time
-        self.executor = None
+
+    async def agenerate(self, req): raise NotImplementedError
+    def update_weights(self, meta): ...
+    def pause_generation(self): ...
+    def continue_generation(self): ...
 
 
 class FakeWorkflow(RolloutWorkflow):
@@ -70,7 +75,7 @@ class FakeWorkflow(RolloutWorkflow):
         if data["id"] in self.fail_on:
             raise RuntimeError("boom in one episode")
         await asyncio.sleep(engine.gen_time)
-        v = engine.executor.get_version()
+        v = engine.get_version()
         return {
             "input_ids": torch.tensor([[1, 2, 3]]),
             "attention_mask": torch.ones(1, 3, dtype=torch.bool),
@@ -85,7 +90,6 @@ def make_executor(eta, batch=4, gen_time=0.05):
     engine = FakeEngine(gen_time)
     cfg = InferenceEngineConfig(consumer_batch_size=batch, max_head_offpolicyness=eta, max_concurrent_rollouts=64)
     ex = WorkflowExecutor(cfg, engine)
-    engine.executor = ex
     ex.initialize()
     return ex
 
@@ -128,7 +132,7 @@ def test_stale_trajectory_is_dropped_never_returned():
         ex.staleness.stat.accepted = 2
         ex._output.put(old)
         ex._output.put(fresh)
-        ex.set_version(3)  # bound: oldest token version >= 3 - 1 = 2
+        ex.engine.set_version(3)  # bound: oldest token version >= 3 - 1 = 2
         out = ex.wait(1, timeout=5)
         assert out["rewards"].tolist() == [5.0]
         assert ex.staleness.stat.dropped_stale == 1
@@ -153,7 +157,7 @@ def run_training(eta, steps=4, batch=4, train_time=0.3):
             started_early = int((b["rollout_start_time"] < prev_train_end).sum())
             time.sleep(train_time)  # training; the rollout thread keeps generating if allowed
             ex.pause()
-            ex.set_version(step + 1)
+            ex.engine.set_version(step + 1)
             ex.resume()
             prev_train_end = time.time()
             results.append((staleness, started_early, b["rewards"].numel()))

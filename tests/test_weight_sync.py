@@ -16,6 +16,7 @@ from arealite.engine.fsdp import FSDPEngine
 from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json
 from arealite.engine.weight_sync import iter_buckets
 from arealite.launcher.local import launch_servers
+from arealite.launcher.weight_update import push_weights
 
 from conftest import save_tiny_model
 
@@ -96,13 +97,13 @@ def test_broadcast_makes_server_weights_identical(setup, bucket_mb, expect_bucke
     assert outputs[0] == outputs[1]
 
 
-def test_upload_weights_distributed_through_engine(setup):
-    """FSDPEngine.upload_weights(meta) with meta.type == "distributed" is the same push."""
+def test_push_weights_distributed_through_the_coordinator(setup):
+    """The coordinator's push_weights(actor, meta) with meta.type == "distributed" is the same push."""
     rollout, actor, model_a, model_b = setup
     rollout.config.weight_sync_bucket_mb = 0.01
     meta = rollout.weight_update_meta("", version=4)
     assert meta.type == "distributed" and meta.bucket_bytes == int(0.01 * 2**20)
-    actor.upload_weights(meta)
+    push_weights(actor, meta)
     rollout.update_weights(meta)
     assert _greedy(rollout.addresses[1])[0] == _hf_greedy(model_b)
     with pytest.raises(ServerError, match="weight_version"):
@@ -120,7 +121,7 @@ def test_restarted_trainer_rejoins_under_the_same_group_name(setup):
     ws._GROUPS.clear()  # what a restarted trainer starts with (the old group is freed)
     rollout.config.weight_sync_bucket_mb = 1024
     meta = rollout.weight_update_meta("", version=6)
-    actor.upload_weights(meta)
+    push_weights(actor, meta)
     rollout.update_weights(meta)
     trainer = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in actor.model.named_parameters()}
     for addr in rollout.addresses:

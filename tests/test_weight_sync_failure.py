@@ -1,7 +1,7 @@
 """A server SIGKILLed in the middle of a distributed weight update (gloo, CPU).
 
 Two local servers start on model A (seed 0); the trainer (1-rank FSDPEngine) holds model B
-(seed 1). The recipe's ``sync_weights`` pushes B; server 1 is killed between two broadcasts of
+(seed 1). The coordinator's ``sync_weights`` pushes B; server 1 is killed between two broadcasts of
 the second bucket, while server 0 is waiting for the rest of that bucket. Expected: the push
 raises ``WeightSyncError`` naming server 1 long before ``rollout.weight_sync_timeout``, the
 client excludes server 1, the retry re-creates the group with server 0 only, and server 0 ends
@@ -9,7 +9,6 @@ bit-identical to the trainer, at the new version, generating like HF on model B.
 """
 
 import hashlib
-import importlib.util
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import arealite.engine.weight_sync as ws
+import arealite.launcher.weight_update as wu
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
 from arealite.engine.fsdp import FSDPEngine
@@ -28,7 +28,7 @@ from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json
 from arealite.engine.weight_sync import WeightSyncError
 from arealite.launcher.local import _free_port, server_command
 
-from conftest import REPO_ROOT, save_tiny_model
+from conftest import save_tiny_model
 
 PROMPT = [1, 17, 300, 4000, 25, 9]
 TIMEOUT_S = 30.0  # rollout.weight_sync_timeout: what a hung (not dead) server would cost per bucket
@@ -40,13 +40,6 @@ def _digest(t: torch.Tensor) -> str:
 
 def _server_digests(addr, names):
     return {n: post_json(addr, "/get_weights_by_name", {"name": n, "digest": True})["sha256"] for n in names}
-
-
-def _load_recipe():
-    spec = importlib.util.spec_from_file_location("grpo_math", os.path.join(REPO_ROOT, "recipes", "grpo_math.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +90,12 @@ def test_server_killed_mid_broadcast_is_named_excluded_and_survivor_gets_retried
 
     monkeypatch.setattr(ws, "broadcast_tensor", broadcast_then_kill)
     attempts = []  # (meta, seconds, exception or None, survivor digests and version after a failure)
-    real_upload = actor.upload_weights
+    real_push = wu.push_weights
 
-    def recording_upload(meta):
+    def recording_push(actor, meta):
         start = time.monotonic()
         try:
-            real_upload(meta)
+            real_push(actor, meta)
         except WeightSyncError as e:
             attempts.append((meta, time.monotonic() - start, e, (_server_digests(survivor, differing), post_json(
                 survivor, "/get_model_info", method="GET")["weight_version"])))
@@ -110,9 +103,8 @@ def test_server_killed_mid_broadcast_is_named_excluded_and_survivor_gets_retried
             raise
         attempts.append((meta, time.monotonic() - start, None, None))
 
-    monkeypatch.setattr(actor, "upload_weights", recording_upload)
-    grpo_math = _load_recipe()
-    grpo_math.sync_weights(actor, rollout, "", version=1)
+    monkeypatch.setattr(wu, "push_weights", recording_push)
+    wu.sync_weights(actor, rollout, None, "", version=1)
 
     # First attempt: both servers, a named error well before the hung-server bound.
     (meta1, seconds, error, partial), (meta2, _, no_error, _) = attempts
@@ -184,12 +176,11 @@ def test_every_rank_raises_when_rank0_cannot_push(tiny_model_dir, tmp_path):
 
 
 def test_sync_weights_retries_once_then_raises(setup, monkeypatch):
-    """Control flow of the recipe: exclude what the error names, retry once, then give up."""
+    """Control flow of the coordinator: exclude what the error names, retry once, then give up."""
     actor = setup[1]
-    grpo_math = _load_recipe()
     calls = []
 
-    class Rollout:  # records the calls sync_weights makes
+    class Rollout:  # records the calls sync_weights makes (as the inference engine and the executor)
         def __getattr__(self, name):  # pause, pause_generation, update_weights, continue_generation, ...
             return lambda *args: calls.append((name, *args))
 
@@ -197,24 +188,25 @@ def test_sync_weights_retries_once_then_raises(setup, monkeypatch):
             calls.append(("meta", version))
             return WeightUpdateMeta(type="distributed", path=path, version=version)
 
-    def fail(*culprits):  # upload_weights raising once per culprit list, then succeeding
+    def fail(*culprits):  # push_weights raising once per culprit list, then succeeding
         queue = list(culprits)
 
-        def upload(meta):
+        def push(actor, meta):
             if queue:
                 raise WeightSyncError("boom", failed=queue.pop(0))
-        return upload
+        return push
 
-    monkeypatch.setattr(actor, "upload_weights", fail(["10.0.0.1:1"], ["10.0.0.2:1"]))
+    monkeypatch.setattr(wu, "push_weights", fail(["10.0.0.1:1"], ["10.0.0.2:1"]))
+    rollout = Rollout()
     with pytest.raises(WeightSyncError, match="boom"):
-        grpo_math.sync_weights(actor, Rollout(), "", version=5)
+        wu.sync_weights(actor, rollout, rollout, "", version=5)
     reason = "failed the weight update to version 5"
     assert calls == [("pause",), ("pause_generation",), ("meta", 5), ("exclude_servers", ["10.0.0.1:1"], reason),
                      ("meta", 5), ("exclude_servers", ["10.0.0.2:1"], reason)]  # no third attempt, no resume
 
     calls.clear()
-    monkeypatch.setattr(actor, "upload_weights", fail([]))  # no culprit (e.g. a restarted server): retried
-    grpo_math.sync_weights(actor, Rollout(), "", version=6)
+    monkeypatch.setattr(wu, "push_weights", fail([]))  # no culprit (e.g. a restarted server): retried
+    wu.sync_weights(actor, rollout, rollout, "", version=6)
     assert [c[0] for c in calls] == ["pause", "pause_generation", "meta", "exclude_servers", "meta",
                                      "update_weights", "continue_generation", "set_version", "resume"]
     assert calls[3] == ("exclude_servers", [], "failed the weight update to version 6")

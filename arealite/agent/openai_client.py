@@ -258,6 +258,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         gconfig: sampling defaults for the client.
     """
 
+    stat_keys = ("turns",)  # logged as rollout/turns
+
     def __init__(self, agent_fn: AgentFn, tokenizer, gconfig: GenerationConfig):
         self.agent_fn, self.tokenizer, self.gconfig = agent_fn, tokenizer, gconfig
 

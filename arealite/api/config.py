@@ -265,6 +265,7 @@ class SFTConfig:
     train_dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
     valid_dataset: SFTDatasetConfig = field(default_factory=lambda: SFTDatasetConfig(size=64, batch_size=16))
     saver: SaverConfig = field(default_factory=SaverConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
 
     @property
     def output_dir(self) -> str:
@@ -302,6 +303,7 @@ class DPOConfig:
     valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))  # greedy accuracy
     saver: SaverConfig = field(default_factory=SaverConfig)
     evaluator: EvalConfig = field(default_factory=EvalConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
 
     @property
     def output_dir(self) -> str:

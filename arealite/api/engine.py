@@ -9,14 +9,11 @@ Batches passed to a train engine are dicts of padded tensors in the token-aligne
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from arealite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
-
-if TYPE_CHECKING:
-    from arealite.api.workflow import RolloutWorkflow
 
 Batch = dict[str, torch.Tensor]
 
@@ -53,20 +50,55 @@ class TrainEngine(abc.ABC):
         """Save an HF folder (config, safetensors weights, tokenizer) that
         ``AutoModelForCausalLM.from_pretrained(path)`` loads. Collective over all ranks."""
 
-    @abc.abstractmethod
-    def upload_weights(self, meta: WeightUpdateMeta) -> None:
-        """Write the current weights where ``meta`` says, for the inference servers to load.
-        Collective over all ranks."""
+    # Per-rank non-tensor state for recover checkpoints (arealite.utils.recover). The tensors
+    # (``model`` parameters, ``optimizer`` state) are saved through DCP from these attributes.
+    model: Any  # the torch.nn.Module being trained (possibly FSDP-sharded)
+    optimizer: Any  # torch.optim.Optimizer, or None for a frozen engine
 
-    def set_version(self, version: int) -> None:
-        self._version = version
+    def extra_state(self) -> dict[str, Any]:
+        """Per-rank state beyond parameters and optimizer tensors (e.g. the LR schedule),
+        picklable; the default has none."""
+        return {}
 
-    def get_version(self) -> int:
-        return getattr(self, "_version", 0)
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`extra_state`."""
 
 
 class InferenceEngine(abc.ABC):
-    """Generation behind one interface, plus the asynchronous rollout executor around it."""
+    """Generation behind one interface: what a new inference backend implements.
+
+    Abstract (a backend must implement them): :meth:`agenerate`, :meth:`pause_generation`,
+    :meth:`continue_generation`, :meth:`update_weights`. Everything else has a default here.
+    The rollout executor (:class:`arealite.rollout.executor.WorkflowExecutor`) runs workflows
+    against any implementation; the weight-update coordinator
+    (:func:`arealite.launcher.weight_update.sync_weights`) also calls
+    ``weight_update_meta(path, version)`` (where the trainer pushes to) and, for distributed
+    pushes, ``exclude_servers(addresses, reason)``.
+
+    The weight version lives here, once per trainer rank: :meth:`get_version` is the number of
+    weight updates the servers have completed (set by the coordinator on every rank after each
+    update). The executor's staleness rule reads it; tokens are tagged with the version the
+    server reports per response, or with this one when a backend reports none.
+    """
+
+    _version: int = 0
+
+    def initialize(self) -> None:
+        """Wait for the servers (the default: nothing to wait for)."""
+
+    def destroy(self) -> None:
+        """Release clients and connections."""
+
+    async def aclose(self) -> None:
+        """Close resources bound to the running event loop (e.g. an HTTP session); called when an
+        event loop that used :meth:`agenerate` ends."""
+
+    def set_version(self, version: int) -> None:
+        """Record that the servers now hold weight version ``version`` (completed updates)."""
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
 
     @abc.abstractmethod
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
@@ -79,37 +111,14 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """Make every server load the weights described by ``meta`` and report its version."""
+        """Make every server load the weights described by ``meta`` and report its version
+        (trainer rank 0 only)."""
 
     @abc.abstractmethod
     def pause_generation(self) -> None:
-        """Ask every server to interrupt in-flight generation (partial outputs are kept)."""
+        """Ask every server to interrupt in-flight generation (partial outputs are kept) and hold
+        new requests until :meth:`continue_generation` (trainer rank 0 only)."""
 
     @abc.abstractmethod
     def continue_generation(self) -> None:
-        """Let servers generate again."""
-
-    # The executor API (implemented by delegating to arealite.rollout.executor.WorkflowExecutor).
-    @abc.abstractmethod
-    def submit(self, data: dict[str, Any], workflow: "RolloutWorkflow") -> None: ...
-
-    @abc.abstractmethod
-    def wait(self, count: int, timeout: float | None = None) -> Batch: ...
-
-    @abc.abstractmethod
-    def rollout_batch(self, data: list[dict[str, Any]], workflow: "RolloutWorkflow") -> Batch: ...
-
-    @abc.abstractmethod
-    def prepare_batch(self, dataloader: Any, workflow: "RolloutWorkflow") -> Batch: ...
-
-    @abc.abstractmethod
-    def pause(self) -> None: ...
-
-    @abc.abstractmethod
-    def resume(self) -> None: ...
-
-    @abc.abstractmethod
-    def set_version(self, version: int) -> None: ...
-
-    @abc.abstractmethod
-    def get_version(self) -> int: ...
+        """Let servers generate again (trainer rank 0 only)."""

@@ -17,7 +17,13 @@ class RolloutWorkflow(abc.ABC):
 
     Subclass it and implement :meth:`arun_episode`; the executor runs many episodes
     concurrently on its asyncio loop, so never block the loop (use ``await``).
+
+    ``stat_keys``: names of extra per-trajectory float tensors [N] in the returned dict whose
+    batch mean the training loop logs as ``rollout/<key>`` (e.g. ``turns``). A workflow used by
+    the RL loop also has ``aevaluate(engine, rows) -> dict[str, float]`` (held-out evaluation).
     """
+
+    stat_keys: tuple[str, ...] = ()
 
     @abc.abstractmethod
     async def arun_episode(

@@ -28,7 +28,7 @@ import torch
 
 from arealite.dataset.math_data import GSM8K_INSTRUCTION, _read_jsonl, load_dataset
 from arealite.utils.data import pad_and_stack
-from arealite.workflow.rlvr import tokenize_chat
+from arealite.utils.hf import tokenize_chat
 
 _SFT_HELP = ("pass a jsonl whose rows have 'messages' (chat list ending with the assistant's reply) or "
              "'question'/'answer'")

@@ -48,7 +48,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
-from arealite.api.io_struct import WeightUpdateMeta
 from arealite.engine.lm_head import chunked_logprobs_entropy
 from arealite.utils.data import trim_padding
 
@@ -211,7 +210,6 @@ class FSDPEngine(TrainEngine):
         self.optimizer = None
         self.lr_scheduler = None
         self.tokenizer = None
-        self._version = 0
         self._consecutive_skips = 0
         self.n_skipped_steps = 0  # total optimizer steps skipped for a non-finite loss/grad norm
 
@@ -437,7 +435,7 @@ class FSDPEngine(TrainEngine):
                 out[torch.tensor(rows), : lp.shape[1]] = lp
         return out
 
-    # -- saving and weight upload -------------------------------------------------------------------
+    # -- saving -------------------------------------------------------------------
     def save(self, path: str) -> None:
         """HF folder: config, safetensors, generation config, tokenizer. Collective."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -450,20 +448,15 @@ class FSDPEngine(TrainEngine):
             self.tokenizer.save_pretrained(path)
         dist.barrier()
 
-    def upload_weights(self, meta: WeightUpdateMeta) -> None:
-        """"disk": save an HF folder at ``meta.path`` for the servers to load. "distributed":
-        gather full tensors bucket by bucket and broadcast them from rank 0 to
-        ``meta.addresses`` (:func:`arealite.engine.weight_sync.broadcast_weights`). Collective."""
-        if meta.type == "distributed":
-            from arealite.engine.remote import ADAPTERS
-            from arealite.engine.weight_sync import broadcast_weights
+    def extra_state(self) -> dict:
+        """LR schedule and the non-finite-step skip counters (recover checkpoints)."""
+        return {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                "n_skipped_steps": self.n_skipped_steps, "consecutive_skips": self._consecutive_skips}
 
-            broadcast_weights(self.model, meta.addresses, meta.version, meta.bucket_bytes, tp_size=meta.tp_size,
-                              timeout_s=meta.timeout_s, adapter=ADAPTERS[meta.backend])
-            return
-        if meta.type != "disk":
-            raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")
-        self.save(meta.path)
+    def load_extra_state(self, state: dict) -> None:
+        if state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.n_skipped_steps, self._consecutive_skips = state["n_skipped_steps"], state["consecutive_skips"]
 
     def destroy(self) -> None:
         if dist.is_initialized():

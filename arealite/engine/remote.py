@@ -1,5 +1,5 @@
 """Client for servers speaking SGLang's HTTP protocol (SGLang itself or our
-:mod:`arealite.engine.server`), plus the rollout executor around it.
+:mod:`arealite.engine.server`) or vLLM's: an :class:`~arealite.api.engine.InferenceEngine`.
 
 Protocol subset: ``../shared/reference/inference-protocols.md`` §1 and §3.
 
@@ -7,8 +7,9 @@ Protocol subset: ``../shared/reference/inference-protocols.md`` §1 and §3.
   ``return_logprob=true``, and reads ``meta_info.output_token_logprobs`` (``[logprob, id, _]``
   triples) and ``meta_info.finish_reason``.
 * **Interruptible generation**: a reply with ``finish_reason.type == "abort"`` (the trainer
-  paused the servers for a weight update) keeps its partial tokens; the client waits while the
-  rollout is paused, then resubmits prompt + partial output with the remaining token budget.
+  paused the servers for a weight update) keeps its partial tokens; the client resubmits
+  prompt + partial output with the remaining token budget at once, and the paused server holds
+  it until ``continue_generation`` (after the new weights are loaded).
   Each token is tagged with the ``weight_version`` the server reported for its segment, so one
   trajectory can span several versions.
 * Server choice: a request id (``rid``) sticks to the server first chosen for it (all samples
@@ -44,7 +45,6 @@ from arealite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 from arealite.api.weight_update import (DESTROY_GROUP_ENDPOINT, INIT_GROUP_ENDPOINT, MODEL_INFO_ENDPOINT,
                                         UPDATE_DISTRIBUTED_ENDPOINT, UPDATE_FROM_DISK_ENDPOINT, VLLM_METHODS,
                                         VLLM_RPC_ENDPOINT, DiskUpdate, InitGroup, UpdateBucket, destroy_group_body)
-from arealite.rollout.executor import WorkflowExecutor
 
 logger = logging.getLogger("arealite.remote")
 
@@ -334,15 +334,14 @@ def wait_healthy(addresses: list[str], timeout: float, poll: float = 1.0) -> Non
 
 
 class RemoteInferenceEngine(InferenceEngine):
-    """Rollout engine of one trainer rank: HTTP client to ``addresses`` + a :class:`WorkflowExecutor`.
+    """HTTP client of one trainer rank to the inference servers at ``addresses``.
 
     Args:
-        config: ``rollout`` config (backend, timeouts, retries, staleness, weight sync).
+        config: ``rollout`` config (backend, timeouts, retries, weight sync).
         addresses: ``host:port`` of every server (same order on every rank).
-        world_size: trainer ranks (the executor's per-rank batch is divided by it).
     """
 
-    def __init__(self, config: InferenceEngineConfig, addresses: list[str], world_size: int = 1):
+    def __init__(self, config: InferenceEngineConfig, addresses: list[str]):
         if not addresses:
             raise ValueError("rollout.addresses is empty: launch servers first or pass host:port addresses")
         if config.backend not in ADAPTERS:
@@ -352,7 +351,6 @@ class RemoteInferenceEngine(InferenceEngine):
                              "(the bound for a hung server during a distributed weight update)")
         self.config, self.addresses = config, list(addresses)
         self.adapter = ADAPTERS[config.backend]
-        self.executor = WorkflowExecutor(config, self, world_size)
         self._outstanding = {a: 0 for a in self.addresses}
         self._dead_until = {a: 0.0 for a in self.addresses}  # monotonic time; 0 = alive
         self._excluded: set[str] = set()  # missed a control call (e.g. a weight update): never used again
@@ -360,11 +358,8 @@ class RemoteInferenceEngine(InferenceEngine):
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
     def initialize(self) -> None:
+        """Wait until every server answers ``GET /health`` (``rollout.setup_timeout``)."""
         wait_healthy(self.addresses, self.config.setup_timeout)
-        self.executor.initialize()
-
-    def destroy(self) -> None:
-        self.executor.destroy()
 
     # -- server choice -----------------------------------------------------------------------
     def live_addresses(self) -> list[str]:
@@ -488,8 +483,6 @@ class RemoteInferenceEngine(InferenceEngine):
         budget = gconfig.max_new_tokens
         resp = ModelResponse(input_tokens=list(req.input_ids))
         while True:
-            while self.executor.is_paused():  # a weight update is in progress
-                await asyncio.sleep(0.05)
             params = gconfig.sampling_params()
             params["max_new_tokens"] = budget - resp.output_len
             payload = self.adapter.build_request(resp.input_tokens + resp.output_tokens, params)
@@ -585,28 +578,3 @@ class RemoteInferenceEngine(InferenceEngine):
                                       f"update to version {meta.version}")
         else:
             raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")
-
-    # -- executor delegation -------------------------------------------------------------------------
-    def submit(self, data, workflow) -> None:
-        self.executor.submit(data, workflow)
-
-    def wait(self, count: int, timeout: float | None = None):
-        return self.executor.wait(count, timeout)
-
-    def rollout_batch(self, data, workflow):
-        return self.executor.rollout_batch(data, workflow)
-
-    def prepare_batch(self, dataloader, workflow):
-        return self.executor.prepare_batch(dataloader, workflow)
-
-    def pause(self) -> None:
-        self.executor.pause()
-
-    def resume(self) -> None:
-        self.executor.resume()
-
-    def set_version(self, version: int) -> None:
-        self.executor.set_version(version)
-
-    def get_version(self) -> int:
-        return self.executor.get_version()

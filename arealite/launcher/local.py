@@ -245,6 +245,6 @@ def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_di
         obj = [launch_servers(config, model_path, log_dir, seed, trainer_gpus) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(obj, src=0)
         addresses = obj[0]
-    engine = RemoteInferenceEngine(config, addresses, world_size=dist.get_world_size())
+    engine = RemoteInferenceEngine(config, addresses)
     engine.initialize()
     return engine

@@ -13,13 +13,17 @@ Failure policy: an exception inside one episode is logged with its traceback and
 in a row, e.g. the servers died) or the loop thread itself dies, the next ``wait`` raises
 instead of waiting forever.
 
+The executor takes any :class:`~arealite.api.engine.InferenceEngine` (it only calls
+``agenerate`` through the workflows, ``get_version`` for the staleness rule and ``aclose`` when
+its loop ends); it knows nothing of HTTP.
+
 Resume (:meth:`WorkflowExecutor.state_dict` / :meth:`~WorkflowExecutor.load_state_dict`): the
 executor remembers every data row it was given until the trainer receives its trajectory
 (or the episode is rejected, fails or is dropped as stale). A recover checkpoint stores those
-*pending* rows (queued, generating, or finished but not yet trained on) in submission order,
-the position of the dataloader (epoch + ``StatefulDataLoader`` state) and the staleness
-counters. After a resume the pending rows are submitted first, then the dataloader continues
-where it stood: the sequence of prompts entering the pipeline is the one of an uninterrupted
+*pending* rows (queued, generating, or finished but not yet trained on) in submission order
+and the staleness counters; the data position itself is the
+:class:`~arealite.dataset.loader.EpochLoader`'s, saved beside it. After a resume the pending
+rows are submitted first, then the loader continues where it stood: the sequence of prompts entering the pipeline is the one of an uninterrupted
 run, minus the prompts already trained on, so no prompt is skipped or trained twice. Not
 reproduced: the samples themselves (generation is asynchronous and sampled; an episode that
 was half-generated restarts from scratch under the resumed weights) and the order in which
@@ -43,7 +47,7 @@ from arealite.api.config import InferenceEngineConfig
 from arealite.api.io_struct import RolloutStat
 from arealite.rollout.staleness import StalenessManager
 from arealite.utils.data import concat_padded
-from arealite.utils.recover import EpochLoader
+from arealite.dataset.loader import EpochLoader
 
 if TYPE_CHECKING:
     from arealite.api.engine import InferenceEngine
@@ -58,7 +62,8 @@ class WorkflowExecutor:
     Args:
         config: the ``rollout`` config; batch sizes there are over all ranks and are divided
             by ``world_size`` here (per-rank rule, as in AReaL).
-        engine: passed to every ``arun_episode`` (it generates).
+        engine: passed to every ``arun_episode`` (it generates); its ``get_version()`` is the
+            trainer version v of the staleness rule.
         world_size: number of data-parallel trainer ranks.
     """
 
@@ -86,14 +91,12 @@ class WorkflowExecutor:
         self._pending: dict[int, dict[str, Any]] = {}
         self._next_seq = 0
         self._returned = 0
-        self._loader: EpochLoader | None = None  # prepare_batch's dataloader, epoch after epoch
+        self._wrapped: tuple[Any, EpochLoader] | None = None  # a plain dataloader given to prepare_batch
         self._resubmit: list[dict[str, Any]] = []  # restored pending rows, submitted first
-        self._loader_state: dict | None = None  # restored data position, applied to the loader
         # Every episode failing (e.g. the servers are gone) must end in an error, not a hang.
         self.max_consecutive_failures = max(8, 4 * batch)
         self._consecutive_failures = 0
         self._last_error: BaseException | None = None
-        self._version = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -123,7 +126,7 @@ class WorkflowExecutor:
                 while (
                     not self._paused.is_set()
                     and not self._input.empty()
-                    and self.staleness.capacity(self._version) > 0
+                    and self.staleness.capacity(self.engine.get_version()) > 0
                 ):
                     seq, data, workflow = self._input.get_nowait()
                     self.staleness.on_start()
@@ -168,14 +171,7 @@ class WorkflowExecutor:
         with self._rows_lock:
             self._pending.pop(seq, None)
 
-    # -- versions and pausing -------------------------------------------------------------------
-    def set_version(self, version: int) -> None:
-        """Set the trainer version v (completed weight updates) used by both staleness rules."""
-        self._version = version
-
-    def get_version(self) -> int:
-        return self._version
-
+    # -- pausing ---------------------------------------------------------------------------------
     def pause(self) -> None:
         """Stop starting new episodes (and resubmitting interrupted generations)."""
         self._paused.set()
@@ -213,6 +209,7 @@ class WorkflowExecutor:
                 row raised (the last exception is chained).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        version = self.engine.get_version()
         while len(self._ready) < count:
             if self._thread_error is not None:
                 raise RuntimeError("the rollout thread died; see the log above") from self._thread_error
@@ -233,13 +230,13 @@ class WorkflowExecutor:
             seq, traj = item if isinstance(item, tuple) else (None, item)  # tests may put bare trajectories
             generated = traj["versions"][traj["versions"] >= 0]
             min_version = int(generated.min()) if generated.numel() else -1
-            if self.staleness.is_fresh(min_version, self._version):
+            if self.staleness.is_fresh(min_version, version):
                 self._ready.append((seq, traj))
             else:
                 self._discard(seq)
                 logger.warning(
                     "dropping a stale trajectory: oldest token version %d < %d - η(%d)",
-                    min_version, self._version, self.staleness.eta,
+                    min_version, version, self.staleness.eta,
                 )
                 self.staleness.on_drop_stale()
         taken = [self._ready.popleft() for _ in range(count)]
@@ -254,8 +251,9 @@ class WorkflowExecutor:
             self.submit(row, workflow)
         return self.wait(len(data))
 
-    def prepare_batch(self, dataloader: Iterable, workflow: "RolloutWorkflow") -> dict[str, torch.Tensor]:
-        """Asynchronous mode: keep the executor fed from ``dataloader`` (cycling over epochs) and
+    def prepare_batch(self, loader: "EpochLoader | Iterable", workflow: "RolloutWorkflow") -> dict[str, torch.Tensor]:
+        """Asynchronous mode: keep the executor fed from ``loader`` (an :class:`EpochLoader`, which
+        owns the data position; a plain dataloader is wrapped in one, cycling over epochs) and
         return the next ``consumer_batch_size / world_size`` episodes of this rank.
 
         Episodes keep running after this returns, up to the staleness bound, so generation
@@ -263,30 +261,29 @@ class WorkflowExecutor:
         """
         batch = self.staleness.batch_size
         while True:
-            self._feed(dataloader, workflow)
+            self._feed(loader, workflow)
             try:
                 result = self.wait(batch, timeout=0.5)
             except TimeoutError:
                 continue
-            self._feed(dataloader, workflow)  # so generation continues while the caller trains
+            self._feed(loader, workflow)  # so generation continues while the caller trains
             return result
 
-    def _feed(self, dataloader: Iterable, workflow: "RolloutWorkflow") -> None:
+    def _feed(self, loader: "EpochLoader | Iterable", workflow: "RolloutWorkflow") -> None:
         """Keep ``(η + 1) · B`` episodes waiting in the input queue (what admission can use):
-        rows restored from a checkpoint first, then the dataloader (cycling over epochs, a new
+        rows restored from a checkpoint first, then the loader (cycling over epochs, a new
         shuffle order each via ``sampler.set_epoch``)."""
-        if self._loader is None or self._loader.dataloader is not dataloader:
-            self._loader = EpochLoader(dataloader)
-            if self._loader_state is not None:
-                self._loader.load_state_dict(self._loader_state)
-                self._loader_state = None
+        if not isinstance(loader, EpochLoader):
+            if self._wrapped is None or self._wrapped[0] is not loader:
+                self._wrapped = (loader, EpochLoader(loader))
+            loader = self._wrapped[1]
         target = (self.staleness.eta + 1) * self.staleness.batch_size
         while self._input.qsize() < target:
             if self._resubmit:
                 self.submit(self._resubmit.pop(0), workflow)
                 continue
             try:
-                rows = self._loader.next()
+                rows = loader.next()
             except ValueError as e:
                 raise ValueError(f"prepare_batch: {e}") from None
             for row in rows:
@@ -295,17 +292,12 @@ class WorkflowExecutor:
     # -- resume --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a recover checkpoint needs to continue this rank's data stream exactly (see the
-        module docstring): ``pending_rows`` (submission order), ``data`` (the position of
-        prepare_batch's dataloader), ``stat`` (the ``RolloutStat`` counters) and ``returned``
-        (trajectories handed to the trainer). Call it from the trainer thread between steps.
-
-        Raises:
-            TypeError: the dataloader cannot save its position (not a ``StatefulDataLoader``).
-        """
+        module docstring): ``pending_rows`` (submission order), ``stat`` (the ``RolloutStat``
+        counters) and ``returned`` (trajectories handed to the trainer). The data position is the
+        loader's own ``state_dict()``. Call it from the trainer thread between steps."""
         with self._rows_lock:
             pending = [self._pending[s] for s in sorted(self._pending)] + list(self._resubmit)
-        data = self._loader.state_dict() if self._loader is not None else self._loader_state
-        return {"pending_rows": pending, "data": data, "stat": dataclasses.asdict(self.staleness.stat),
+        return {"pending_rows": pending, "stat": dataclasses.asdict(self.staleness.stat),
                 "returned": self._returned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -316,6 +308,5 @@ class WorkflowExecutor:
             if self._pending or self._next_seq:
                 raise RuntimeError("WorkflowExecutor.load_state_dict: call it before submitting anything")
         self._resubmit = list(state["pending_rows"])
-        self._loader_state, self._loader = state["data"], None
         self._returned = int(state["returned"])
         self.staleness.on_resume(RolloutStat(**state["stat"]), trained=self._returned)

@@ -91,3 +91,12 @@ def load_tokenizer(path: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt token ids of ``messages`` under the tokenizer's chat template, ending with the
+    assistant generation prompt. Works with transformers 4.x (list) and 5.x (dict) returns."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)

@@ -6,12 +6,14 @@ What one checkpoint ``<root>/step{N}/`` holds (``N`` = completed training steps)
   moments and step counts) of each trainable engine (actor, critic), written with
   ``torch.distributed.checkpoint`` (DCP) from ``get_state_dict`` — each rank writes its own
   shards, nothing is gathered. A frozen reference model is not saved (rebuilt from its path).
-* ``trainer_state_rank{r}.pt`` (one per rank): per engine the LR scheduler state, the weight
-  version (``engine.get_version()``) and the non-finite-step skip counters; ``N``; the RNG
-  states of this rank (python ``random``, numpy, torch CPU and CUDA); ``state_dict()`` of
-  every extra per-rank object passed as ``stateful`` — e.g. an :class:`EpochLoader` (epoch + ``StatefulDataLoader`` position) or the
-  rollout :class:`~arealite.rollout.executor.WorkflowExecutor` (data rows pulled but not yet
-  trained on, its epoch/dataloader position, the staleness counters ``RolloutStat``).
+* ``trainer_state_rank{r}.pt`` (one per rank): per engine its ``extra_state()`` (the LR
+  scheduler state and the non-finite-step skip counters of
+  :class:`~arealite.api.engine.TrainEngine`); ``N`` (= the weight version: one update per
+  step); the RNG states of this rank (python ``random``, numpy, torch CPU and CUDA);
+  ``state_dict()`` of every extra per-rank object passed as ``stateful`` — the data position
+  (:class:`arealite.dataset.loader.EpochLoader`: epoch + ``StatefulDataLoader`` position) and
+  the rollout :class:`~arealite.rollout.executor.WorkflowExecutor` (data rows pulled but not yet
+  trained on, the staleness counters ``RolloutStat``).
 * ``COMPLETE``: the marker, ``{"step": N, "world_size": W}``, written last.
 
 Atomicity rule: everything is first written into ``<root>/.tmp-step{N}``; after a barrier (all
@@ -25,7 +27,7 @@ a later step, which belong to an abandoned earlier run) are deleted.
 is loaded by the same number of ranks that wrote it (the per-rank data positions are not
 re-shardable); the model and optimizer shards themselves could be resharded by DCP.
 
-Typical use (see ``recipes/grpo_math.py`` and ``tests/dist/resume_train.py``)::
+Typical use (see :mod:`arealite.launcher.rl_loop` and ``tests/dist/resume_train.py``)::
 
     path = resolve_checkpoint(config.recover, root)          # cheap; errors before heavy work
     engine.initialize(...)
@@ -43,15 +45,13 @@ import os
 import random
 import re
 import shutil
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from arealite.api.config import RecoverConfig
-
-if TYPE_CHECKING:
-    from arealite.engine.fsdp import FSDPEngine
+from arealite.api.engine import TrainEngine
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"step(\d+)")
@@ -63,65 +63,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-# -- the data position ---------------------------------------------------------------------------
-class EpochLoader:
-    """Batches of a dataloader, epoch after epoch, with a resumable position.
-
-    Before each pass it calls ``dataloader.sampler.set_epoch(epoch)`` (a new shuffle order per
-    epoch, e.g. ``DistributedSampler(shuffle=True, seed=...)``); the global torch RNG is left
-    untouched by it. ``state_dict()`` is
-    ``{"epoch": e, "dataloader": <StatefulDataLoader state> | None}``; after
-    ``load_state_dict`` the next batch is the one that followed the saved position — also
-    right at an epoch boundary (all batches of epoch ``e`` taken: the next is the first of
-    ``e + 1``).
-
-    Args:
-        dataloader: any iterable of batches; saving/loading its position needs
-            ``state_dict``/``load_state_dict`` (torchdata ``StatefulDataLoader``).
-    """
-
-    def __init__(self, dataloader: Iterable):
-        self.dataloader = dataloader
-        self.epoch = 0  # the epoch being read (or the next one when between passes)
-        self._iter = None
-        self._restored: dict | None = None  # a loaded position not read from yet (next iter() resumes it)
-
-    def next(self) -> Any:
-        """The next batch. Raises ``ValueError`` if a whole pass yields nothing (empty dataset)."""
-        fresh = False
-        while True:
-            if self._iter is None:
-                sampler = getattr(self.dataloader, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(self.epoch)
-                # Creating a DataLoader iterator draws a seed from the global torch RNG; a resume
-                # creates one more than the uninterrupted run (the restored one), so draw it from
-                # a forked RNG: the training's random numbers must not depend on it.
-                with torch.random.fork_rng(devices=[]):
-                    self._iter = iter(self.dataloader)
-                fresh, self._restored = self._restored is None, None
-            try:
-                return next(self._iter)
-            except StopIteration:
-                self._iter = None
-                self.epoch += 1
-                if fresh:
-                    raise ValueError("the dataloader yields no batches (empty dataset?)") from None
-
-    def state_dict(self) -> dict[str, Any]:
-        if not hasattr(self.dataloader, "state_dict"):
-            raise TypeError(f"{type(self.dataloader).__name__} has no state_dict(); use a torchdata "
-                            "StatefulDataLoader to save the data position in recover checkpoints")
-        position = self.dataloader.state_dict() if self._iter is not None else self._restored
-        return {"epoch": self.epoch, "dataloader": position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self._iter = int(state["epoch"]), None
-        self._restored = state["dataloader"]  # inside epoch ``e`` (possibly at its very end) or None
-        if self._restored is not None:
-            self.dataloader.load_state_dict(self._restored)  # applied by the next iter()
 
 
 # -- RNG ------------------------------------------------------------------------------------------
@@ -241,23 +182,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _engine_state(engine: "FSDPEngine") -> dict[str, Any]:
-    """The per-rank, non-tensor state of one engine (the LR schedule, version, skip counters)."""
-    return {"lr_scheduler": engine.lr_scheduler.state_dict(), "version": engine.get_version(),
-            "n_skipped_steps": getattr(engine, "n_skipped_steps", 0),
-            "consecutive_skips": getattr(engine, "_consecutive_skips", 0)}
-
-
-def _set_engine_state(engine: "FSDPEngine", state: dict[str, Any]) -> None:
-    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.set_version(state["version"])
-    if hasattr(engine, "n_skipped_steps"):
-        engine.n_skipped_steps = state["n_skipped_steps"]
-    if hasattr(engine, "_consecutive_skips"):
-        engine._consecutive_skips = state["consecutive_skips"]
-
-
-def _check_engines(engines: dict[str, "FSDPEngine"]) -> None:
+def _check_engines(engines: dict[str, TrainEngine]) -> None:
     if not engines:
         raise ValueError("recover checkpoint: no engines given (pass e.g. {'actor': actor})")
     for name, engine in engines.items():
@@ -266,7 +191,7 @@ def _check_engines(engines: dict[str, "FSDPEngine"]) -> None:
                              "never change, so it is rebuilt from its model path instead of saved")
 
 
-def save_checkpoint(root: str, step: int, engines: dict[str, "FSDPEngine"],
+def save_checkpoint(root: str, step: int, engines: dict[str, TrainEngine],
                     stateful: dict[str, Stateful] | None = None, keep_last: int = 1) -> str:
     """Write ``<root>/step{step}`` atomically (see the module docstring). Collective.
 
@@ -274,8 +199,8 @@ def save_checkpoint(root: str, step: int, engines: dict[str, "FSDPEngine"],
         root: checkpoint folder shared by all ranks (created).
         step: completed training steps (the loop resumes at this index).
         engines: the trainable engines by name, e.g. ``{"actor": actor, "critic": critic}``
-            (:class:`~arealite.engine.fsdp.FSDPEngine`: ``model``, ``optimizer``,
-            ``lr_scheduler``, ``get_version``). Frozen engines (a reference model) are not saved.
+            (:class:`~arealite.api.engine.TrainEngine`: ``model``, ``optimizer``,
+            ``extra_state()``). Frozen engines (a reference model) are not saved.
         stateful: per-rank objects with ``state_dict()``, stored under their keys.
         keep_last: complete checkpoints to keep (older ones are deleted after the rename).
 
@@ -305,7 +230,7 @@ def save_checkpoint(root: str, step: int, engines: dict[str, "FSDPEngine"],
         sharded[name] = {"model": model_sd, "optimizer": optim_sd}
     dcp.save(sharded, checkpoint_id=tmp)
     trainer_state = {
-        "step": step, "engines": {name: _engine_state(e) for name, e in engines.items()}, "rng": rng_state(),
+        "step": step, "engines": {name: e.extra_state() for name, e in engines.items()}, "rng": rng_state(),
         "stateful": {k: v.state_dict() for k, v in (stateful or {}).items()},
     }
     with open(os.path.join(tmp, f"trainer_state_rank{rank}.pt"), "wb") as f:
@@ -328,7 +253,7 @@ def save_checkpoint(root: str, step: int, engines: dict[str, "FSDPEngine"],
     return final
 
 
-def load_checkpoint(path: str, engines: dict[str, "FSDPEngine"], stateful: dict[str, Stateful] | None = None) -> int:
+def load_checkpoint(path: str, engines: dict[str, TrainEngine], stateful: dict[str, Stateful] | None = None) -> int:
     """Load a checkpoint written by :func:`save_checkpoint` into initialised ``engines`` and the
     ``stateful`` objects (the same names as when saved); restores this rank's RNG states last.
     Collective.
@@ -367,7 +292,7 @@ def load_checkpoint(path: str, engines: dict[str, "FSDPEngine"], stateful: dict[
     for name, engine in engines.items():
         set_state_dict(engine.model, engine.optimizer, model_state_dict=sharded[name]["model"],
                        optim_state_dict=sharded[name]["optimizer"])
-        _set_engine_state(engine, trainer_state["engines"][name])
+        engine.load_extra_state(trainer_state["engines"][name])
     for key, obj in (stateful or {}).items():
         obj.load_state_dict(trainer_state["stateful"][key])
     set_rng_state(trainer_state["rng"])

@@ -38,7 +38,7 @@ from arealite.api.workflow import RolloutWorkflow
 from arealite.reward.math import math_reward
 from arealite.reward.worker import RewardWorker
 from arealite.utils.data import pad_and_stack
-from arealite.workflow.rlvr import tokenize_chat
+from arealite.utils.hf import tokenize_chat
 
 _PROBE = [{"role": "user", "content": "\x00probe-user\x00"}, {"role": "assistant", "content": "\x00probe-reply\x00"}]
 
@@ -142,6 +142,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
     Raises:
         ValueError: a bad ``max_turns`` / ``turn_discount`` / ``max_context_tokens`` (named).
     """
+
+    stat_keys = ("turns",)  # logged as rollout/turns
 
     def __init__(self, env_factory: Callable[[dict[str, Any]], Environment], gconfig: GenerationConfig, tokenizer,
                  max_turns: int = 2, turn_discount: float = 0.9, max_context_tokens: int = 1024,

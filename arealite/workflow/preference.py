@@ -36,6 +36,8 @@ class PreferenceWorkflow(RLVRWorkflow):
         ValueError: ``gconfig.n_samples`` < 2 (at construction).
     """
 
+    stat_keys = ("chosen_reward",)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.gconfig.n_samples < 2:
@@ -47,4 +49,6 @@ class PreferenceWorkflow(RLVRWorkflow):
         if pair is None:
             return None
         idx = torch.tensor(pair)
-        return trim_padding({k: v[idx] for k, v in traj.items()})
+        out = trim_padding({k: v[idx] for k, v in traj.items()})
+        out["chosen_reward"] = out["rewards"][:1].expand(2).clone()  # [2]: logged as rollout/chosen_reward
+        return out

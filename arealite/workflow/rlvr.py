@@ -23,15 +23,7 @@ from arealite.api.io_struct import ModelRequest, ModelResponse
 from arealite.api.workflow import RolloutWorkflow
 from arealite.reward.worker import RewardWorker
 from arealite.utils.data import pad_and_stack
-
-
-def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt token ids of ``messages`` under the tokenizer's chat template, ending with the
-    assistant generation prompt. Works with transformers 4.x (list) and 5.x (dict) returns."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    return list(out)
+from arealite.utils.hf import tokenize_chat
 
 
 def build_trajectories(resps: list[ModelResponse], rewards: list[float]) -> dict[str, torch.Tensor]:
@@ -106,6 +98,22 @@ class RLVRWorkflow(RolloutWorkflow):
         if self.dump_path:
             self._dump(data, texts, rewards, resps, start)
         return build_trajectories(resps, list(rewards))
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """Greedy held-out accuracy through ``engine`` (one completion per row, from a fresh event
+        loop, e.g. inside a recipe). Returns ``{"accuracy": fraction of rows whose completion
+        gets reward > 0.5}`` (reward computed in-process with ``reward_fn``)."""
+        greedy = replace(self.gconfig, greedy=True, n_samples=1)
+        try:
+            resps = await asyncio.gather(*[
+                engine.agenerate(ModelRequest(input_ids=tokenize_chat(self.tokenizer, r["messages"]), gconfig=greedy))
+                for r in rows
+            ])
+        finally:
+            await engine.aclose()  # e.g. an HTTP session bound to this event loop
+        texts = [self.tokenizer.decode(x.output_tokens, skip_special_tokens=True) for x in resps]
+        scores = [self.reward_fn(t, r["answer"]) for t, r in zip(texts, rows)]
+        return {"accuracy": sum(s > 0.5 for s in scores) / max(1, len(rows))}
 
     def _dump(self, data, texts, rewards, resps, start) -> None:
         record = {

@@ -30,6 +30,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import arealite.utils.recover as recover
 from arealite.api.config import OptimizerConfig, RecoverConfig, TrainEngineConfig
+from arealite.dataset.loader import EpochLoader
 from arealite.engine.fsdp import FSDPEngine, init_distributed
 from arealite.utils.data import pad_and_stack
 
@@ -69,7 +70,7 @@ def main():
 
     rows = dataset()
     sampler = DistributedSampler(rows, num_replicas=world, rank=rank, shuffle=True, seed=7)
-    loader = recover.EpochLoader(StatefulDataLoader(rows, batch_size=ROWS_PER_RANK, sampler=sampler,
+    loader = EpochLoader(StatefulDataLoader(rows, batch_size=ROWS_PER_RANK, sampler=sampler,
                                                     collate_fn=lambda r: r))
     cfg = TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2, lr_scheduler="cosine",
                                                       weight_decay=0.1))
@@ -78,7 +79,7 @@ def main():
     torch.manual_seed(1234 + rank)
     start = recover.load_checkpoint(path, {"actor": engine}, {"data": loader}) if path else 0
     if rank == 0:
-        print(f"start step {start} (checkpoint {path}), version {engine.get_version()}", flush=True)
+        print(f"start step {start} (checkpoint {path}), version {start}", flush=True)  # version = completed steps
 
     if kill_mode == "during_save":
         write_marker = recover._write_marker
@@ -94,7 +95,6 @@ def main():
         rows_now = loader.next()
         batch = make_batch(rows_now)
         stats = engine.train_batch(batch, loss_fn, lambda mb: float(mb["loss_mask"].sum()))
-        engine.set_version(step + 1)
         ids = [None] * world
         dist.all_gather_object(ids, [r["id"] for r in rows_now])
         if rank == 0:
@@ -106,7 +106,7 @@ def main():
 
     state = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        torch.save({"params": state, "version": engine.get_version()}, os.path.join(run_dir, "final_params.pt"))
+        torch.save({"params": state, "version": total}, os.path.join(run_dir, "final_params.pt"))
     engine.destroy()
 
 

@@ -1,0 +1,83 @@
+"""The one weight-update coordinator: pause → push → load → version → resume.
+
+Every training loop calls :func:`sync_weights` after each optimizer step (collective over the
+trainer ranks). The trainer engine only saves an HF folder or exposes its parameters; the HTTP
+side lives in the inference client (:class:`~arealite.engine.remote.RemoteInferenceEngine`) and
+in the distributed push (:func:`arealite.engine.weight_sync.broadcast_weights`).
+
+Order (``rollout.weight_sync``: disk | distributed):
+
+1. every rank: the rollout executor stops starting episodes (``executor.pause``);
+2. rank 0: the servers abort in-flight generation (partial outputs return to the client, which
+   resubmits them; the paused servers hold them) — ``pause_generation``;
+3. every rank: push — disk: ``actor.save(meta.path)``; distributed: broadcast the full tensors
+   bucket by bucket to the servers of ``meta.addresses``;
+4. rank 0: the servers load (disk) or confirm (distributed) ``meta.version``, then continue;
+5. every rank, after a barrier: the inference engine records the new version (the one owner of
+   the version on the trainer side; the executor's staleness rule reads it) and the executor
+   resumes.
+
+A distributed push that fails raises :class:`~arealite.engine.weight_sync.WeightSyncError` on
+every rank; the servers it names as dead or hung are excluded for good and the push is retried
+once with the others. A second failure (e.g. no server left) raises.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from arealite.api.engine import InferenceEngine, TrainEngine
+from arealite.api.io_struct import WeightUpdateMeta
+from arealite.engine.remote import ADAPTERS
+from arealite.engine.weight_sync import WeightSyncError, broadcast_weights
+from arealite.rollout.executor import WorkflowExecutor
+
+
+def push_weights(actor: TrainEngine, meta: WeightUpdateMeta) -> None:
+    """Write the actor's current weights where ``meta`` says. Collective over the trainer ranks.
+
+    Raises:
+        ValueError: unknown ``meta.type``.
+        WeightSyncError: the distributed push failed (on every rank).
+    """
+    if meta.type == "disk":
+        actor.save(meta.path)
+    elif meta.type == "distributed":
+        broadcast_weights(actor.model, meta.addresses, meta.version, meta.bucket_bytes, tp_size=meta.tp_size,
+                          timeout_s=meta.timeout_s, adapter=ADAPTERS[meta.backend])
+    else:
+        raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")
+
+
+def sync_weights(actor: TrainEngine, rollout: InferenceEngine, executor: WorkflowExecutor | None,
+                 weight_dir: str, version: int) -> None:
+    """Make the servers generate with the actor's current weights as version ``version``.
+
+    Args:
+        actor: the trained policy.
+        rollout: the inference engine (``weight_update_meta``, ``exclude_servers``, pause/continue,
+            ``update_weights``, ``set_version``).
+        executor: this rank's rollout executor (paused during the update), or None.
+        weight_dir: folder for the disk path (overwritten at every update).
+        version: the new weight version (= completed training steps).
+    """
+    if executor is not None:
+        executor.pause()
+    if dist.get_rank() == 0:
+        rollout.pause_generation()  # servers that do not answer are excluded (not in the meta)
+    for attempt in (1, 2):
+        meta = rollout.weight_update_meta(weight_dir, version)
+        try:
+            push_weights(actor, meta)
+            break
+        except WeightSyncError as e:  # raised on every rank, with the same e.failed
+            rollout.exclude_servers(e.failed, f"failed the weight update to version {version}")
+            if attempt == 2:
+                raise
+    if dist.get_rank() == 0:
+        rollout.update_weights(meta)
+        rollout.continue_generation()
+    dist.barrier()
+    rollout.set_version(version)
+    if executor is not None:
+        executor.resume()
