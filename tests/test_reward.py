@@ -66,7 +66,7 @@ def test_numeric_fallback_when_math_verify_finds_nothing(monkeypatch):
     monkeypatch.setattr(math_verify, "parse", broken_parse)
     assert math_reward("The answer is 1,000.", "1000") == 1.0
     assert math_reward("I think 12... no wait, 13", "12") == 0.0
-    assert math_reward("about 0.3333333334", "0.3333333333") == 1.0  # |diff| < 1e-6
+    assert math_reward("about 0.3333333334", "0.3333333333") == 1.0  # relative diff 3e-10 < 1e-9
     assert math_reward("about 0.334", "0.333") == 0.0
 
 
@@ -333,3 +333,55 @@ def test_worker_bad_settings_name_the_field():
                       ({"max_memory_mb": -5}, "max_memory_mb"), ({"startup_timeout": 0}, "startup_timeout")]:
         with pytest.raises(ValueError, match=field):
             RewardWorker(**kw)
+
+
+# ---------------------------------------------------------------- comma-separated answers
+def test_only_real_thousands_separators_are_stripped():
+    import random
+
+    from arealite.reward.math import strip_thousands_separators
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.choice([-1, 1]) * rng.randrange(1000, 10**10)
+        assert strip_thousands_separators(f"{n:,}") == str(n)
+        assert extract_gsm8k_answer(f"so\n#### {n:,}") == str(n)
+        assert math_reward(f"The total is {n:,}.", str(n)) == 1.0
+    for text in ["1,2", "(1,2)", "[0,10]", "1,23", "12,3456", "1,234,5", "{3,4,5}", "1,2,3"]:
+        assert strip_thousands_separators(text) == text
+    assert strip_thousands_separators("(1,000, 2,000)") == "(1000, 2000)"
+    assert extract_gsm8k_answer("#### 1,2") == "1,2"
+
+
+def test_comma_separated_answers_never_equal_unrelated_numbers():
+    """Tuples, lists and intervals vs the number their digits would form without commas (or
+    their last element), on both the numeric path and the math_verify path, in both directions."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(25):
+        a, b = rng.randrange(1, 99), rng.randrange(1, 99)
+        glued = f"{a}{b}"
+        for listed in (f"{a},{b}", f"({a},{b})", f"[{a}, {b}]", f"{a}, {b}"):
+            assert math_reward(f"The answer is {glued}.", listed) == 0.0, (listed, glued)
+            assert math_reward(f"The answer is \\boxed{{{glued}}}", listed) == 0.0, (listed, glued)
+            assert math_reward(f"The answer is {listed}", glued) == 0.0, (listed, glued)
+            assert math_reward(f"The answer is {listed}", str(b)) == 0.0, (listed, b)  # last element
+        assert math_reward(f"The answer is \\boxed{{({a},{b})}}", f"({a},{b})") == 1.0
+        assert math_reward(f"The answer is \\boxed{{{a},{b}}}", f"{a},{b}") == 1.0
+
+
+# ---------------------------------------------------------------- verifier tolerance
+def test_tiny_but_different_values_do_not_match_equal_rationals_do():
+    for k in range(20, 130, 9):
+        assert math_reward(f"\\boxed{{2^{{-{k + 1}}}}}", f"2^{{-{k}}}") == 0.0, k  # factor 2
+        assert math_reward(f"\\boxed{{3 \\cdot 2^{{-{k}}}}}", f"2^{{-{k}}}") == 0.0, k  # factor 3
+        assert math_reward(f"\\boxed{{\\frac{{1}}{{2^{{{k}}}}}}}", f"2^{{-{k}}}") == 1.0, k  # same value
+        assert math_reward(f"\\boxed{{\\frac{{2}}{{2^{{{k + 1}}}}}}}", f"2^{{-{k}}}") == 1.0, k
+    assert math_reward("\\boxed{1.5e-30}", "3e-30") == 0.0
+    assert math_reward("The answer is 0.0000001", "0.0000002") == 0.0  # numeric path, relative
+    assert math_reward("\\boxed{\\frac{2}{6}}", "\\frac{1}{3}") == 1.0
+    assert math_reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
+    assert math_reward("\\boxed{0.333333}", "\\frac{1}{3}") == 1.0  # math_verify's 6-place rounding kept
+    assert math_reward("\\boxed{\\sqrt{2}^2}", "2") == 1.0
+    assert math_reward("\\boxed{50\\%}", "50") == 1.0  # percentages are math_verify's business
