@@ -164,7 +164,9 @@ def test_scheduler_replies_have_sglang_shapes(tiny_model_dir):
     (running -> partial tokens, waiting -> "Abort before prefill" with zero tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arealite.engine.server import ABORT_BEFORE_PREFILL as BEFORE, Scheduler, SamplingParams
+    from arealite.engine.server.messages import Generate, Pause
+    from arealite.engine.server.protocol import ABORT_BEFORE_PREFILL as BEFORE, SamplingParams
+    from arealite.engine.server.scheduler import Scheduler
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -174,18 +176,18 @@ def test_scheduler_replies_have_sglang_shapes(tiny_model_dir):
     async def main():
         sched.start()
         greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-        full = await sched.submit("generate", ("r0", prompt, greedy, True))
+        full = await sched.submit(Generate("r0", prompt, greedy, True))
         text = tok.decode(full["output_ids"])
         # a stop string = the text of the 5th..6th generated tokens
         stop = tok.decode(full["output_ids"][:6])[len(tok.decode(full["output_ids"][:4])):]
         assert stop.strip(), "tiny model produced only whitespace; pick other tokens"
-        by_str = await sched.submit("generate", ("r1", prompt, SamplingParams(
+        by_str = await sched.submit(Generate("r1", prompt, SamplingParams(
             temperature=0.0, max_new_tokens=12, ignore_eos=True, stop=(stop,)), True))
-        running = sched.submit("generate", ("r2", prompt, SamplingParams(max_new_tokens=500, ignore_eos=True), True))
+        running = sched.submit(Generate("r2", prompt, SamplingParams(max_new_tokens=500, ignore_eos=True), True))
         await asyncio.sleep(0.3)
-        waiting = sched.submit("generate", ("r3", prompt, SamplingParams(max_new_tokens=5), True))
+        waiting = sched.submit(Generate("r3", prompt, SamplingParams(max_new_tokens=5), True))
         await asyncio.sleep(0.05)
-        n = await sched.submit("pause")
+        n = await sched.submit(Pause())
         return full, text, stop, by_str, await running, await waiting, n
 
     try:

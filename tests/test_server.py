@@ -19,7 +19,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from arealite.engine.server import SamplingParams, parse_generate_request, sample_next_tokens
+from arealite.engine.server.protocol import SamplingParams, parse_generate_request
+from arealite.engine.server.sampling import sample_next_tokens
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128

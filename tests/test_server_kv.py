@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from arealite.engine.server import SamplingParams, Scheduler
+from arealite.engine.server.messages import Generate, LoadFromDisk, LoadTensors
+from arealite.engine.server.protocol import SamplingParams
+from arealite.engine.server.scheduler import Scheduler
 
 VOCAB = 128
 
@@ -27,7 +29,7 @@ def _run(sched, requests):
     """Submit ``[(input_ids, SamplingParams)]`` at once and step the scheduler until all finish;
     returns the replies in order."""
     async def main():
-        futures = [sched.submit("generate", (f"r{i}", ids, params, True))
+        futures = [sched.submit(Generate(f"r{i}", ids, params, True))
                    for i, (ids, params) in enumerate(requests)]
         while not all(f.done() for f in futures):
             sched.step()
@@ -113,11 +115,11 @@ def test_no_prefix_sharing_across_a_weight_update():
     prompt = _prompt(11, 4)
 
     async def main():
-        first = sched.submit("generate", ("a", prompt, _greedy(40), True))
+        first = sched.submit(Generate("a", prompt, _greedy(40), True))
         sched.step()
         sched.step()
-        load = sched.submit("load_tensors", (dict(new.state_dict()), 7))
-        second = sched.submit("generate", ("b", prompt, _greedy(5), True))
+        load = sched.submit(LoadTensors(dict(new.state_dict()), 7))
+        second = sched.submit(Generate("b", prompt, _greedy(5), True))
         while not (first.done() and second.done() and load.done()):
             sched.step()
             await asyncio.sleep(0)
@@ -153,7 +155,7 @@ def test_sliding_window_models_are_refused():
 def test_inverse_cdf_sampling_frequencies():
     """20000 draws per row match the tempered / nucleus-filtered distribution to 0.01, and a
     zero-probability token (after filtering) is never drawn."""
-    from arealite.engine.server import sample_next_tokens
+    from arealite.engine.server.sampling import sample_next_tokens
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 20000
@@ -192,7 +194,7 @@ def test_next_turn_reuses_the_finished_turns_kv():
     assert _logprobs(reply) == pytest.approx(_reference_logprobs(ref, turn2, hf), abs=1e-5)
 
     async def load():
-        future = sched.submit("load_tensors", (dict(_model(1).state_dict()), 1))
+        future = sched.submit(LoadTensors(dict(_model(1).state_dict()), 1))
         while not future.done():
             sched.step()
             await asyncio.sleep(0)
@@ -207,7 +209,7 @@ def test_next_turn_reuses_the_finished_turns_kv():
 
 
 def test_prefix_store_longest_match_and_lru_eviction():
-    from arealite.engine.server import PrefixStore
+    from arealite.engine.server.kv_cache import PrefixStore
 
     store = PrefixStore(max_tokens=64, block=4)
     kv = lambda n, fill: [torch.full((2, n, 3), float(fill))]  # noqa: E731 - one layer [H, n, D]
@@ -235,7 +237,7 @@ def test_cache_shrinks_after_long_rows_leave_and_the_survivor_is_unchanged():
     requests = [(_prompt(250, 21), _greedy(2)), survivor] + [(_prompt(2, 22 + i), _greedy(3)) for i in range(6)]
 
     async def main():
-        futures = [sched.submit("generate", (f"r{i}", ids, p, True)) for i, (ids, p) in enumerate(requests)]
+        futures = [sched.submit(Generate(f"r{i}", ids, p, True)) for i, (ids, p) in enumerate(requests)]
         sched.step()
         assert (sched.cache.rows, sched.cache.capacity) == (8, 256)
         for _ in range(5):
@@ -259,10 +261,10 @@ def test_disk_update_with_abort_all_requests_returns_partial_outputs(tmp_path):
     _model(1).save_pretrained(tmp_path)
 
     async def main():
-        running = sched.submit("generate", ("a", _prompt(6, 30), _greedy(50), True))
+        running = sched.submit(Generate("a", _prompt(6, 30), _greedy(50), True))
         for _ in range(4):
             sched.step()
-        update = sched.submit("update_weights", (str(tmp_path), 4, True))
+        update = sched.submit(LoadFromDisk(str(tmp_path), 4, True))
         sched.step()
         await asyncio.sleep(0)
         return running.result(), update.result()
@@ -274,7 +276,7 @@ def test_disk_update_with_abort_all_requests_returns_partial_outputs(tmp_path):
 
 
 def test_generate_request_validation_of_numbers():
-    from arealite.engine.server import RequestError, parse_generate_request
+    from arealite.engine.server.protocol import RequestError, parse_generate_request
 
     def params(**sp):
         return parse_generate_request({"input_ids": [1, 2], "sampling_params": sp}, VOCAB, 256)[1]
@@ -297,9 +299,9 @@ def test_long_prompt_is_staged_while_running_rows_keep_decoding():
     short, long_ = _prompt(5, 40), _prompt(60, 41)
 
     async def main():
-        first = sched.submit("generate", ("a", short, _greedy(30), True))
+        first = sched.submit(Generate("a", short, _greedy(30), True))
         sched.step()
-        second = sched.submit("generate", ("b", long_, _greedy(6), True))
+        second = sched.submit(Generate("b", long_, _greedy(6), True))
         lengths = []
         for _ in range(8):
             sched.step()

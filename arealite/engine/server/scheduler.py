@@ -1,596 +1,29 @@
-"""A small transformers-based generation server speaking a subset of SGLang's HTTP protocol.
-
-It lets arealite's rollout side run without SGLang (CPU-only machines, tests, tiny models)
-while talking to it with the same client code.  The server works on token ids only, like
-SGLang launched with ``--skip-tokenizer-init``; the model folder needs no tokenizer.
-
-Run::
-
-    python -m arealite.engine.server --model-path DIR --host 127.0.0.1 --port 30000 \
-        --num-threads 1 --max-batch-size 64 --dtype float32 --seed 1 [--weight-version 0]
-
-Implemented subset of SGLang's protocol (JSON in, JSON out):
-
-- ``POST /generate`` -- one sequence per request (``n`` must be 1), ``input_ids`` only
-  (no text), ``sampling_params`` with ``temperature``, ``top_p``, ``top_k``,
-  ``max_new_tokens``, ``stop_token_ids``, ``stop`` (strings; needs a tokenizer in the model
-  folder) and ``ignore_eos``; ``return_logprob`` adds ``meta_info.output_token_logprobs`` as
-  ``[[logprob, token_id, null], ...]``.
-- ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info`` (scheduler counters).
-- ``POST /pause_generation`` / ``POST /continue_generation`` (abort-on-pause semantics).
-- ``POST /update_weights_from_disk`` (safetensors, applied between decode steps).
-- ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
-  ``POST /destroy_weights_update_group``: weights broadcast by the trainer (gloo on CPU, NCCL on
-  GPU), see :mod:`arealite.engine.weight_sync`.
-
-Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA, input logprobs,
-tensor parallelism, sliding-window attention (refused at start-up), sharing KV blocks in
-place between rows (prefixes are copied; SGLang's radix cache and vLLM's paged blocks share).
-
-Design: the model lives in ONE scheduler thread.  HTTP handlers (aiohttp, event-loop thread)
-put messages on a thread-safe queue and await an asyncio future that the scheduler resolves
-with ``loop.call_soon_threadsafe``.  The scheduler does continuous batching (``Scheduler``):
-between decode steps it drains its queue and admits waiting requests; finished requests leave.
-The KV cache (``SlotKVCache``) is one preallocated row per running request with its tokens
-left-aligned, written in place by an attention function registered in transformers'
-``AttentionInterface`` (``slot_attention``), so the HF model code runs unchanged while the
-server owns the cache: prefill is packed without padding, decode attends over each row's own
-length, nothing is concatenated per step, and requests with the same prompt (the samples of
-a GRPO group) share one prefill.  Finished requests leave their KV in a ``PrefixStore`` (LRU,
-``--prefix-cache-tokens``), so the next turn of a multi-turn episode prefills only its new
-tokens.  Position ids are each row's own token positions, so a row computes what it would
-compute alone (up to float rounding).
+"""The server's scheduler: the one thread that owns the model and runs continuous batching
+(packed prefill, batched decode, prefix sharing, weight loads between steps), driven by the
+typed messages of :mod:`arealite.engine.server.messages`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import inspect
-import json
-import math
 import logging
-import os
 import queue
 import threading
 import time
-import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
-from aiohttp import web
+
+from arealite.api import weight_update
+from arealite.engine.server.kv_cache import (ATTN_IMPLEMENTATION, PrefixStore, SlotKVCache, attention_step,
+                                             register_attention)
+from arealite.engine.server.messages import (Abort, Envelope, Generate, LoadFromDisk, LoadTensors, Message,
+                                             Pause, Request)
+from arealite.engine.server.protocol import ABORT_BEFORE_PREFILL, ABORT_BY_PAUSE, SamplingParams, error_body
+from arealite.engine.server.sampling import sample_next_tokens
+from arealite.engine.server.weights import load_named_tensors, load_weights_from_disk
 
 logger = logging.getLogger("arealite.server")
-
-ABORT_BY_PAUSE = "Abort by pause_generation"
-ABORT_BEFORE_PREFILL = "Abort before prefill"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-class RequestError(ValueError):
-    """A malformed request; rendered as HTTP 400 ``{"error": {"message", "field"}}``."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(message)
-        self.field = field_name
-        self.message = message
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling parameters (SGLang names and defaults)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0 or >= vocab size: disabled
-    max_new_tokens: int = 128
-    stop_token_ids: frozenset = frozenset()
-    ignore_eos: bool = False
-    stop: tuple = ()  # stop strings
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _parse_version(v):
-    """A ``weight_version`` field: an integer, or a string of one (SGLang's type); None stays
-    None. Raises ``ValueError`` for anything else."""
-    if v is None or _is_int(v):
-        return v
-    if isinstance(v, str) and v.lstrip("-").isdigit():
-        return int(v)
-    raise ValueError(f"weight_version must be an integer (or a string of one), got {v!r}")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def parse_generate_request(body, vocab_size: int, max_positions: int | None,
-                           has_tokenizer: bool = True):
-    """Validate a ``/generate`` body; return ``(input_ids, SamplingParams, return_logprob, rid)``.
-
-    Raises ``RequestError`` naming the offending field and how to fix it.
-    Unknown keys in ``sampling_params`` are ignored, as SGLang does for most of them.
-    """
-    if not isinstance(body, dict):
-        raise RequestError("body", "request body must be a JSON object")
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise RequestError("input_ids", "input_ids must be a non-empty list of token ids "
-                           "(text prompts are not supported; tokenize on the client)")
-    if not all(_is_int(t) for t in ids):
-        raise RequestError("input_ids", "input_ids must contain only integers")
-    if not all(0 <= t < vocab_size for t in ids):
-        raise RequestError("input_ids", f"token ids must be in [0, {vocab_size}) for this model")
-    sp = body.get("sampling_params", {})
-    if sp is None:
-        sp = {}
-    if not isinstance(sp, dict):
-        raise RequestError("sampling_params", "sampling_params must be a JSON object")
-    for where, holder in (("n", body), ("sampling_params.n", sp)):
-        if "n" in holder and holder["n"] != 1:
-            raise RequestError(where, "n must be 1: send one request per sample")
-    p = SamplingParams()
-    t = sp.get("temperature", p.temperature)
-    if not _is_number(t) or not math.isfinite(t) or t < 0:
-        raise RequestError("sampling_params.temperature",
-                           "temperature must be a number >= 0 (0 means greedy)")
-    top_p = sp.get("top_p", p.top_p)
-    if not _is_number(top_p) or not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise RequestError("sampling_params.top_p", "top_p must be a number in (0, 1]")
-    top_k = sp.get("top_k", p.top_k)
-    if not _is_int(top_k):
-        raise RequestError("sampling_params.top_k", "top_k must be an integer (-1 disables it)")
-    if top_k <= 0 or top_k >= vocab_size:
-        top_k = -1  # disabled (also keeps huge values out of the batch's int64 tensor)
-    max_new = sp.get("max_new_tokens", p.max_new_tokens)
-    if not _is_int(max_new) or max_new < 0:
-        raise RequestError("sampling_params.max_new_tokens",
-                           "max_new_tokens must be an integer >= 0")
-    stop = sp.get("stop_token_ids", [])
-    if stop is None:
-        stop = []
-    if not isinstance(stop, list) or not all(_is_int(s) for s in stop):
-        raise RequestError("sampling_params.stop_token_ids",
-                           "stop_token_ids must be a list of integers")
-    stop_str = sp.get("stop", [])
-    if stop_str is None:
-        stop_str = []
-    if isinstance(stop_str, str):
-        stop_str = [stop_str]
-    if not isinstance(stop_str, list) or not all(isinstance(x, str) and x for x in stop_str):
-        raise RequestError("sampling_params.stop",
-                           "stop must be a non-empty string or a list of non-empty strings")
-    if stop_str and not has_tokenizer:
-        raise RequestError("sampling_params.stop",
-                           "stop strings need a tokenizer in the server's model folder; save "
-                           "one there or use stop_token_ids")
-    ignore_eos = sp.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise RequestError("sampling_params.ignore_eos", "ignore_eos must be true or false")
-    return_logprob = body.get("return_logprob", False)
-    if not isinstance(return_logprob, bool):
-        raise RequestError("return_logprob", "return_logprob must be true or false")
-    if max_positions is not None and len(ids) + max_new > max_positions:
-        raise RequestError(
-            "sampling_params.max_new_tokens",
-            f"len(input_ids) + max_new_tokens = {len(ids)} + {max_new} exceeds the model's "
-            f"max_position_embeddings ({max_positions}); lower max_new_tokens to at most "
-            f"{max(max_positions - len(ids), 0)} or shorten the prompt")
-    rid = body.get("rid")
-    rid = str(rid) if rid is not None else uuid.uuid4().hex
-    params = SamplingParams(float(t), float(top_p), top_k, max_new, frozenset(stop), ignore_eos,
-                            tuple(stop_str))
-    return ids, params, return_logprob, rid
-
-
-# ----------------------------------------------------------------------------- sampling
-
-
-def sample_next_tokens(logits, temperature, top_p, top_k, generator):
-    """Pick one token per row; return ``(tokens [B] long, logprobs [B] float32)``.
-
-    ``logits`` is ``[B, V]``; ``temperature``/``top_p`` are float ``[B]``, ``top_k`` long ``[B]``.
-    Rows with temperature 0 are greedy (argmax, logprob from ``log_softmax(logits)``).  Other
-    rows sample from ``softmax(logits / T)`` filtered by top-k then top-p (nucleus: smallest
-    set with cumulative probability >= top_p, top token always kept).  As in SGLang, the
-    returned logprob is ``log_softmax(logits / T)[token]``: after temperature, before the
-    top-k/top-p filtering, which is what the trainer recomputes.
-    """
-    logits = logits.float()
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logprobs_all = torch.log_softmax(scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
-    filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
-    plain = (~greedy & ~filtered).nonzero().squeeze(1)
-    if plain.numel():  # no top-k/top-p: sample the tempered softmax directly (no sort)
-        tokens[plain] = _sample_rows(logprobs_all[plain].exp(), generator)
-    rows = (~greedy & filtered).nonzero().squeeze(1)
-    if rows.numel():
-        probs = logprobs_all[rows].exp()
-        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        k = top_k[rows]
-        k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
-        drop = torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
-        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-        drop |= mass_before >= top_p[rows][:, None]
-        drop[:, 0] = False
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        choice = _sample_rows(sorted_p, generator)
-        tokens[rows] = sorted_idx.gather(1, choice[:, None]).squeeze(1)
-    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _sample_rows(weights, generator):
-    """One index per row of ``weights`` ``[B, V]`` (non-negative, unnormalised), drawn with
-    probability proportional to the weight by inverse-CDF sampling: ``searchsorted(cumsum(w),
-    u * sum(w))``, ``u ~ U[0, 1)``. Same distribution as ``torch.multinomial(weights, 1)``, which
-    takes ~3x as long on CPU for a 49k vocabulary (16 rows: 17 ms vs 6 ms). Zero-weight entries are never picked."""
-    cdf = weights.cumsum(dim=-1)
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device,
-                   dtype=cdf.dtype) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    # u * total can round up to total; a zero-weight tail must not be picked, so step back to
-    # the last index with weight (cdf strictly increases there).
-    last = weights.shape[1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(idx, last)
-
-
-# ----------------------------------------------------------------------------- weights
-
-
-def load_weights_from_disk(model: torch.nn.Module, path: str) -> int:
-    """Copy safetensors weights from folder ``path`` into ``model`` in place.
-
-    Accepts a single ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
-    Every tensor is validated (known key, same shape) and every expected parameter must be
-    present -- except ones tied to a present parameter, e.g. ``lm_head.weight`` with
-    ``tie_word_embeddings`` -- before anything is copied, so on error the old weights stay.
-    Tensors the model does not know are ignored (``strict=False``).
-    Returns ``(num_loaded, unexpected_keys)``; raises ``ValueError`` with a readable message.
-    """
-    from safetensors.torch import load_file
-
-    if not os.path.isdir(path):
-        raise ValueError(f"model_path {path!r} is not a directory")
-    index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(single):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
-    loaded = {}
-    for name in files:
-        file_path = os.path.join(path, name)
-        if not os.path.isfile(file_path):
-            raise ValueError(f"missing weight shard {file_path!r}")
-        loaded.update(load_file(file_path))
-
-    expected = model.state_dict()
-    unexpected = [k for k in loaded if k not in expected]  # ignored, like strict=False
-    loaded = {k: v for k, v in loaded.items() if k in expected}
-    for key, tensor in loaded.items():
-        if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise ValueError(f"shape mismatch for {key!r}: file has {tuple(tensor.shape)}, "
-                             f"model expects {tuple(expected[key].shape)}")
-    # Parameters sharing storage (tied weights) count as present if any alias is loaded.
-    by_storage: dict[int, list[str]] = {}
-    for key, tensor in expected.items():
-        by_storage.setdefault(tensor.data_ptr(), []).append(key)
-    missing = [keys[0] for keys in by_storage.values() if not any(k in loaded for k in keys)]
-    if missing:
-        raise ValueError(f"{len(missing)} expected tensors missing from {path!r}, "
-                         f"e.g. {missing[:3]}")
-    with torch.no_grad():
-        model.load_state_dict({k: v.to(expected[k].dtype) for k, v in loaded.items()},
-                              strict=False)
-    return len(loaded), unexpected
-
-
-def load_named_tensors(model: torch.nn.Module, tensors: dict) -> int:
-    """Copy a subset of parameters ``{name: tensor}`` into ``model`` in place (one bucket of a
-    distributed update). Names must be known and shapes equal; all are checked before anything
-    is copied. Tied parameters update together (shared storage). Values are cast to the
-    model's dtype. Returns the number of tensors; raises ``ValueError`` naming the first bad one.
-    """
-    expected = model.state_dict()
-    for key, tensor in tensors.items():
-        if key not in expected:
-            raise ValueError(f"unknown parameter {key!r} (the trainer's model architecture "
-                             f"differs from the server's?); e.g. known: {list(expected)[:3]}")
-        if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise ValueError(f"shape mismatch for {key!r}: sent {tuple(tensor.shape)}, "
-                             f"model expects {tuple(expected[key].shape)}")
-    with torch.no_grad():
-        for key, tensor in tensors.items():
-            expected[key].copy_(tensor.to(device=expected[key].device, dtype=expected[key].dtype))
-    return len(tensors)
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-
-ATTN_IMPLEMENTATION = "arealite_slots"
-
-
-class SlotKVCache:
-    """The server's KV cache: per layer, key and value buffers ``[rows, kv_heads, capacity,
-    head_dim]`` in the model's dtype. Running request ``i`` owns row ``i``; its cached tokens
-    are left-aligned at positions ``[0, kv_len_i)`` (no padding), so a row's own position ids
-    are its column indices. Rows are kept contiguous (``0..n-1``): a finished row is replaced
-    by the last row (one row copy), a new row is appended. Buffers grow by reallocation
-    (rows: powers of two up to ``max_rows``; capacity: x1.5, rounded up to 128 tokens) and
-    shrink when they hold over 4x what the running rows need. Memory is dense: every row is
-    as long as the longest one (``rows x capacity x kv_heads x head_dim`` per layer for keys
-    and for values), unlike SGLang's/vLLM's paged caches.
-
-    Unlike HF's ``DynamicCache`` nothing is concatenated per step (appending one token is one
-    indexed write per layer) and rows of different lengths need no left padding.
-    """
-
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, device, max_rows: int):
-        self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
-        self.dtype, self.device, self.max_rows = dtype, device, max_rows
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-
-    @property
-    def rows(self) -> int:
-        return self.k[0].shape[0] if self.k else 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2] if self.k else 0
-
-    def ensure(self, rows: int, length: int, live_rows: int, live_len: int) -> None:
-        """Make room for ``rows`` rows of ``length`` tokens, keeping the first ``live_rows``
-        rows' first ``live_len`` tokens."""
-        if rows <= self.rows and length <= self.capacity:
-            return
-        new_rows = max(self.rows, self._rows_for(rows))
-        new_cap = self.capacity
-        if length > new_cap:
-            new_cap = -(-max(length, int(new_cap * 1.5)) // 128) * 128
-        self._realloc(new_rows, new_cap, live_rows, live_len)
-
-    def shrink(self, rows: int, length: int) -> None:
-        """Reallocate smaller when the buffers hold over 4x what ``rows`` rows of ``length``
-        tokens need (after long requests left), keeping those rows' first ``length`` tokens."""
-        want_rows = self._rows_for(rows)
-        want_cap = -(-int(length * 1.5) // 128) * 128
-        if self.rows * self.capacity > 4 * want_rows * want_cap:
-            self._realloc(want_rows, want_cap, rows, min(length, self.capacity))
-
-    def _rows_for(self, rows: int) -> int:  # the next power of two, at most max_rows
-        return max(rows, min(self.max_rows, 1 << max(rows - 1, 0).bit_length()))
-
-    def _realloc(self, new_rows: int, new_cap: int, live_rows: int, live_len: int) -> None:
-        shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
-        for buffers in (self.k, self.v):
-            for layer in range(self.n_layers):
-                # zeros, not empty: masked-out slots still enter q.k (NaN garbage would poison it)
-                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if buffers and live_rows and live_len:
-                    new[:live_rows, :, :live_len] = buffers[layer][:live_rows, :, :live_len]
-                if len(buffers) < self.n_layers:
-                    buffers.append(new)
-                else:
-                    buffers[layer] = new
-
-    def read_row(self, row: int, length: int) -> tuple[list, list]:
-        """Views of row ``row``'s first ``length`` cached tokens: per layer, keys and values
-        ``[kv_heads, length, head_dim]`` (clone them to keep them past the next write)."""
-        return [k[row, :, :length] for k in self.k], [v[row, :, :length] for v in self.v]
-
-    def write_row(self, row: int, k_layers: list, v_layers: list) -> None:
-        """Put per-layer keys/values ``[kv_heads, n, head_dim]`` at positions ``[0, n)`` of
-        row ``row`` (the buffers must already hold ``n`` positions)."""
-        for buf, kv in zip(self.k + self.v, k_layers + v_layers):
-            buf[row, :, :kv.shape[1]] = kv
-
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` cached tokens of row ``src`` into row ``dst``."""
-        if length:
-            for buffers in (self.k, self.v):
-                for buf in buffers:
-                    buf[dst, :, :length] = buf[src, :, :length]
-
-    def release(self) -> None:
-        self.k, self.v = [], []
-
-
-class PrefixStore:
-    """KV of finished requests, kept for later requests that start with the same tokens (the
-    next turn of a multi-turn episode, a sample of a group that arrives after its siblings left;
-    not the resubmission after a pause, since that pause is for a weight update, which empties
-    the store).
-
-    Entries are indexed per block of ``block`` tokens by a chained hash (block ``i``'s key
-    covers tokens ``[0, (i+1)·block)``), so a lookup walks the new prompt's blocks once and finds
-    the longest block-aligned prefix held by any entry; the tokens are compared before use (no
-    trust in hashes). Each entry holds per-layer ``[kv_heads, n, head_dim]`` key/value copies.
-    Least recently used entries are evicted beyond ``max_tokens`` cached tokens; everything is
-    dropped at a weight update (the scheduler calls :meth:`clear`).
-    """
-
-    BLOCK = 16  # tokens per hashed block
-
-    def __init__(self, max_tokens: int, block: int = BLOCK):
-        self.max_tokens, self.block = max_tokens, block
-        self._entries: OrderedDict = OrderedDict()  # id -> (tokens tuple, k list, v list, hashes)
-        self._index: dict = {}  # chained block hash -> {entry id: tokens covered}, oldest first
-        self._tokens = 0
-        self._next_id = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _hashes(self, tokens):
-        h = 0
-        for end in range(self.block, len(tokens) + 1, self.block):
-            h = hash((h, tuple(tokens[end - self.block:end])))
-            yield h, end
-
-    def insert(self, tokens, k_layers, v_layers) -> None:
-        """Keep ``k_layers``/``v_layers`` (per layer ``[kv_heads, len(tokens), head_dim]``, owned
-        by the store from now on) as the KV of ``tokens``. Prefixes shorter than one block, or
-        longer than ``max_tokens``, are not kept."""
-        n = len(tokens) // self.block * self.block
-        if n == 0 or n > self.max_tokens:
-            return
-        eid, self._next_id = self._next_id, self._next_id + 1
-        hashes = []
-        for h, end in self._hashes(tokens[:n]):
-            self._index.setdefault(h, {})[eid] = end
-            hashes.append(h)
-        self._entries[eid] = (tuple(tokens[:n]), [k[:, :n] for k in k_layers],
-                              [v[:, :n] for v in v_layers], hashes)
-        self._tokens += n
-        while self._tokens > self.max_tokens:
-            self._evict(next(iter(self._entries)))
-
-    def _evict(self, eid) -> None:
-        tokens, _, _, hashes = self._entries.pop(eid)
-        self._tokens -= len(tokens)
-        for h in hashes:
-            holders = self._index[h]
-            del holders[eid]
-            if not holders:
-                del self._index[h]
-
-    def lookup(self, tokens, limit: int):
-        """The longest block-aligned cached prefix of ``tokens`` of at most ``limit`` tokens:
-        ``(n, k_layers, v_layers)`` with views of ``n`` positions, or ``(0, None, None)``."""
-        best = None
-        for h, end in self._hashes(tokens[:limit]):
-            holders = self._index.get(h)
-            if not holders:
-                break
-            best = (next(reversed(holders)), end)  # the newest entry holding this prefix
-        if best is None:
-            return 0, None, None
-        eid, n = best
-        entry = self._entries[eid]
-        if entry[0][:n] != tuple(tokens[:n]):  # a hash collision
-            return 0, None, None
-        self._entries.move_to_end(eid)
-        return n, [k[:, :n] for k in entry[1]], [v[:, :n] for v in entry[2]]
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._index.clear()
-        self._tokens = 0
-
-
-class _StepContext:
-    """What the attention function needs for one forward: either a decode step (``rows``
-    query tokens, one per row, at positions ``pos``) or a packed prefill (``segments``)."""
-
-    def __init__(self, cache: SlotKVCache, pos=None, kv_len: int = 0, mask=None, segments=()):
-        self.cache, self.pos, self.kv_len, self.mask, self.segments = (
-            cache, pos, kv_len, mask, segments)
-
-
-_CONTEXT = threading.local()
-
-
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over :class:`SlotKVCache`, registered in transformers' ``AttentionInterface``
-    as ``"arealite_slots"`` (``query`` ``[B, Hq, T, D]``, ``key``/``value`` ``[B, Hkv, T, D]``
-    after RoPE; returns ``([B, T, Hq, D], None)`` like transformers' sdpa function).
-
-    Decode (``B`` rows, ``T = 1``): writes each row's new key/value at its own position, then
-    attends over the first ``kv_len`` cached positions with a per-row length mask; the query
-    heads of one KV head are packed as a length-``Hq/Hkv`` query, so GQA needs no repeat.
-    Prefill (``B = 1``, the prompts packed along ``T``): for each segment ``(row, start, off,
-    n)`` writes tokens ``off:off+n`` at positions ``start:start+n`` of ``row`` and attends
-    causally over that row's positions ``[0, start+n)`` (earlier chunks of the same prompt).
-
-    Outside a server step (no context set, e.g. a test calling the model directly) this is
-    transformers' own sdpa attention.
-    """
-    ctx = getattr(_CONTEXT, "step", None)
-    if ctx is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    k_buf, v_buf = ctx.cache.k[module.layer_idx], ctx.cache.v[module.layer_idx]
-    if not ctx.segments:  # decode
-        b, hq, _, d = query.shape
-        hkv = key.shape[1]
-        rows = torch.arange(b, device=query.device)
-        k_buf[rows, :, ctx.pos] = key[:, :, 0]
-        v_buf[rows, :, ctx.pos] = value[:, :, 0]
-        q = query.reshape(b, hkv, hq // hkv, d)
-        out = sdpa(q, k_buf[:b, :, :ctx.kv_len], v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask,
-                   scale=scaling)
-        return out.reshape(b, hq, 1, d).transpose(1, 2), None
-    out = torch.empty_like(query)
-    gqa = query.shape[1] != key.shape[1]
-    for row, start, off, n in ctx.segments:
-        k_buf[row, :, start:start + n] = key[0, :, off:off + n]
-        v_buf[row, :, start:start + n] = value[0, :, off:off + n]
-        q = query[:, :, off:off + n]
-        k, v = k_buf[row:row + 1, :, :start + n], v_buf[row:row + 1, :, :start + n]
-        if start == 0:
-            out[:, :, off:off + n] = sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:
-            causal = (torch.arange(n, device=q.device)[:, None] + start
-                      >= torch.arange(start + n, device=q.device)[None, :])
-            out[:, :, off:off + n] = sdpa(q, k, v, attn_mask=causal, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2), None
-
-
-def _register_attention():
-    """Register :func:`slot_attention`, with sdpa's mask builder (masks are ignored inside a
-    server step, but a direct call of the model with padding still gets its mask)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-# ----------------------------------------------------------------------------- scheduler
-
-
-@dataclass
-class Request:
-    """One /generate request as seen by the scheduler thread."""
-
-    rid: str
-    input_ids: list
-    params: SamplingParams
-    return_logprob: bool
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    output_ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finished: bool = False
-    kv_len: int = 0  # tokens in this request's KV-cache row
-    last: int = -1  # the next token to feed (not yet in the cache)
-    kv_epoch: int = -1  # Scheduler._weights_epoch when its prompt KV was computed
-
-
-@dataclass
-class _Message:
-    kind: str  # "generate" | "pause" | "update_weights" | "load_tensors"
-    payload: object
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
 
 
 def _resolve(loop, future, value):
@@ -654,7 +87,7 @@ class Scheduler:
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._logits_kw = ({"logits_to_keep": 1}
                            if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
-        _register_attention()
+        register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._weights_epoch = 0  # +1 at every weight load: KV computed before is not shared
         self.prefix_store = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens else None
@@ -705,16 +138,23 @@ class Scheduler:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def submit(self, kind: str, payload=None) -> asyncio.Future:
-        """Hand a message to the scheduler thread; await the returned future for its answer."""
+    def submit(self, message: Message) -> asyncio.Future:
+        """Hand ``message`` to the scheduler thread; await the returned future for its answer
+        (each message class says what that is)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put(_Message(kind, payload, future, loop))
+        self._queue.put(Envelope(message, future, loop))
         return future
 
-    def submit_nowait(self, kind: str, payload=None) -> None:
-        """A message without an answer (``"abort"``: payload = the abandoned request's future)."""
-        self._queue.put(_Message(kind, payload, None, None))
+    def submit_nowait(self, message: Message) -> None:
+        """A message without an answer (:class:`Abort`)."""
+        self._queue.put(Envelope(message, None, None))
+
+    def counters(self) -> dict:
+        """Counters since start (``stats``) plus ``running_requests`` and ``waiting_requests``
+        (the staged one included); read without locking, so a snapshot."""
+        return {**self.stats, "running_requests": len(self._rows),
+                "waiting_requests": len(self._waiting) + (self._staged is not None)}
 
     # -- scheduler thread
     def _loop(self):
@@ -749,56 +189,54 @@ class Scheduler:
             except queue.Empty:
                 return
 
-    def _handle(self, msg: _Message):
-        if msg.kind == "generate":
-            req = Request(*msg.payload, future=msg.future, loop=msg.loop)
-            if req.params.max_new_tokens == 0:
-                self._finish(req, {"type": "length", "length": 0})
-            else:
-                self._waiting.append(req)
-        elif msg.kind == "pause":
-            _resolve(msg.loop, msg.future, self._abort_all())
-        elif msg.kind == "abort":  # its client is gone: drop it without a reply
-            self._waiting = [r for r in self._waiting if r.future is not msg.payload]
-            if self._staged is not None and self._staged.future is msg.payload:
-                self._clear_staged()
-            for i in range(len(self._rows) - 1, -1, -1):
-                if self._rows[i].future is msg.payload:
-                    self._remove_row(i)
-        elif msg.kind == "load_tensors":
-            tensors, version = msg.payload
-            try:
-                n = load_named_tensors(self.model, tensors)
-            except Exception as exc:
-                _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
-                return
-            self._new_weights()
-            if version is not None:
-                self.weight_version = version
-            _resolve(msg.loop, msg.future, (200, {
-                "success": True, "message": f"Succeeded to update {n} parameters."}))
-        elif msg.kind == "update_weights":
-            path, version, abort = msg.payload
-            if abort:
-                self._abort_all()
-            try:
-                n, unexpected = load_weights_from_disk(self.model, path)
-            except Exception as exc:
-                _resolve(msg.loop, msg.future, (400, {"success": False, "message": str(exc)}))
-                return
-            self._new_weights()
-            if version is not None:
-                self.weight_version = version
-            message = f"Succeeded to update model weights ({n} tensors from {path})."
-            if unexpected:
-                message += f" Ignored {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}."
-            _resolve(msg.loop, msg.future, (200, {
-                "success": True, "message": message, "num_paused_requests": 0}))
-        else:
-            raise ValueError(f"unknown message kind {msg.kind!r}")
+    def _handle(self, env: Envelope):
+        msg = env.message
+        match msg:
+            case Generate():
+                req = Request(msg.rid, msg.input_ids, msg.params, msg.return_logprob,
+                              future=env.future, loop=env.loop)
+                if req.params.max_new_tokens == 0:
+                    self._finish(req, {"type": "length", "length": 0})
+                else:
+                    self._waiting.append(req)
+            case Pause():
+                _resolve(env.loop, env.future, self._abort_all())
+            case Abort():  # its client is gone: drop it without a reply
+                self._waiting = [r for r in self._waiting if r.future is not msg.future]
+                if self._staged is not None and self._staged.future is msg.future:
+                    self._clear_staged()
+                for i in range(len(self._rows) - 1, -1, -1):
+                    if self._rows[i].future is msg.future:
+                        self._remove_row(i)
+            case LoadTensors():
+                try:
+                    n = load_named_tensors(self.model, msg.tensors)
+                except Exception as exc:
+                    _resolve(env.loop, env.future, (400, error_body(str(exc))))
+                    return
+                self._new_weights(msg.weight_version)
+                _resolve(env.loop, env.future, (200, weight_update.reply(True, f"Succeeded to update {n} parameters.")))
+            case LoadFromDisk():
+                if msg.abort_all_requests:
+                    self._abort_all()
+                try:
+                    n, unexpected = load_weights_from_disk(self.model, msg.model_path)
+                except Exception as exc:
+                    _resolve(env.loop, env.future, (400, error_body(str(exc))))
+                    return
+                self._new_weights(msg.weight_version)
+                message = f"Succeeded to update model weights ({n} tensors from {msg.model_path})."
+                if unexpected:
+                    message += f" Ignored {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}."
+                _resolve(env.loop, env.future, (200, weight_update.reply(True, message, num_paused_requests=0)))
+            case _:
+                raise TypeError(f"unknown scheduler message {msg!r}")
 
-    def _new_weights(self) -> None:
-        """KV computed with the old weights must not be reused from now on."""
+    def _new_weights(self, version: int | None) -> None:
+        """The model now holds new weights (reported as ``version`` when given): KV computed
+        with the old weights must not be reused from now on."""
+        if version is not None:
+            self.weight_version = version
         self._weights_epoch += 1
         if self.prefix_store is not None:
             self.prefix_store.clear()
@@ -945,13 +383,10 @@ class Scheduler:
                 ctx_segments.append((row, start, len(ids), len(piece_ids)))
                 ids.extend(piece_ids)
                 positions.extend(range(start, start + len(piece_ids)))
-            _CONTEXT.step = _StepContext(cache or self.cache, segments=ctx_segments)
-            try:
+            with attention_step(cache or self.cache, segments=ctx_segments):
                 self.model(input_ids=torch.tensor([ids], device=self.device),
                            position_ids=torch.tensor([positions], device=self.device),
                            use_cache=False, **self._logits_kw)
-            finally:
-                _CONTEXT.step = None
             self.stats["prefill_tokens"] += len(ids)
 
     def _forward_decode(self):
@@ -962,12 +397,9 @@ class Scheduler:
         kv_len = max(r.kv_len for r in rows) + 1
         self.cache.ensure(len(rows), kv_len, len(rows), kv_len - 1)
         mask = (torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None])[:, None, None]
-        _CONTEXT.step = _StepContext(self.cache, pos=pos, kv_len=kv_len, mask=mask)
-        try:
+        with attention_step(self.cache, pos=pos, kv_len=kv_len, mask=mask):
             out = self.model(input_ids=torch.tensor([[r.last] for r in rows], device=self.device),
                              position_ids=pos[:, None], use_cache=False, **self._logits_kw)
-        finally:
-            _CONTEXT.step = None
         for r in rows:
             r.kv_len += 1
         return out.logits[:, -1]
@@ -1060,353 +492,3 @@ class Scheduler:
                 text = text[:cut]
             reply["text"] = text
         _resolve(req.loop, req.future, reply)
-
-
-# ----------------------------------------------------------------------------- HTTP
-
-
-def _error(field_name: str, message: str, status: int = 400):
-    return web.json_response({"error": {"message": message, "field": field_name}}, status=status)
-
-
-class Server:
-    """aiohttp handlers; all model work is delegated to the ``Scheduler`` thread."""
-
-    def __init__(self, scheduler: Scheduler, model_path: str):
-        self.scheduler = scheduler
-        self.model_path = model_path
-        cfg = scheduler.model.config.get_text_config()
-        self.vocab_size = cfg.vocab_size
-        self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        self._resumed: asyncio.Event | None = None  # set = not paused
-        self.groups: dict = {}  # group_name -> (process group, backend) for weight broadcasts
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/generate", self.generate)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/get_model_info", self.get_model_info)
-        app.router.add_get("/get_server_info", self.get_server_info)
-        app.router.add_post("/pause_generation", self.pause_generation)
-        app.router.add_post("/continue_generation", self.continue_generation)
-        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
-        app.router.add_post("/update_weights_from_distributed",
-                            self.update_weights_from_distributed)
-        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        app.router.add_post("/get_weights_by_name", self.get_weights_by_name)
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
-        return app
-
-    async def _on_startup(self, app):
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self.scheduler.start()
-
-    async def _on_cleanup(self, app):
-        await asyncio.get_running_loop().run_in_executor(None, self.scheduler.shutdown)
-
-    async def generate(self, request: web.Request) -> web.Response:
-        """``POST /generate``: ``{"input_ids": [int], "sampling_params": {...},
-        "return_logprob": bool, "rid": str}`` -> ``{"output_ids": [int], "meta_info": {"id",
-        "finish_reason", "prompt_tokens", "completion_tokens", "weight_version",
-        "output_token_logprobs": [[logprob (nats), token_id, null], ...]}}``.
-
-        ``finish_reason`` is ``{"type": "stop", "matched": id}`` (matched id included in the
-        output), ``{"type": "length", "length": max_new_tokens}`` or ``{"type": "abort",
-        "message": ...}`` after ``/pause_generation``.  Requests arriving while paused are held
-        until ``/continue_generation``.  Malformed requests get 400 before any model work.
-        """
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error("body", "request body must be valid JSON")
-        try:
-            ids, params, return_logprob, rid = parse_generate_request(
-                body, self.vocab_size, self.max_positions, self.scheduler.tokenizer is not None)
-        except RequestError as e:
-            return _error(e.field, e.message)
-        while not self._resumed.is_set():
-            await self._resumed.wait()
-        future = self.scheduler.submit("generate", (rid, ids, params, return_logprob))
-        try:
-            result = await future
-        except asyncio.CancelledError:  # the client went away (handler_cancellation): free the row
-            self.scheduler.submit_nowait("abort", future)
-            raise
-        if isinstance(result, Exception):
-            return _error("", f"generation failed: {result}", status=500)
-        return web.json_response(result)
-
-    async def health(self, request: web.Request) -> web.Response:
-        """``GET /health`` -> ``{"status": "ok"}`` (the model is loaded before we listen)."""
-        return web.json_response({"status": "ok"})
-
-    async def get_model_info(self, request: web.Request) -> web.Response:
-        """``GET /get_model_info`` -> model path, current weight version, vocab and batch size."""
-        return web.json_response({
-            "model_path": self.model_path,
-            "weight_version": self.scheduler.weight_version,
-            "is_generation": True,
-            "vocab_size": self.vocab_size,
-            "max_batch_size": self.scheduler.max_batch_size,
-        })
-
-    async def get_server_info(self, request: web.Request) -> web.Response:
-        """``GET /get_server_info`` -> scheduler counters since start: ``prefill_tokens``
-        (prompt tokens run through the model), ``shared_prefix_tokens`` (prompt tokens whose KV
-        was copied from a running row instead), ``cached_prefix_tokens`` (copied from the
-        prefix store of finished requests), ``decode_steps``; plus ``running_requests``,
-        ``waiting_requests`` and ``max_prefill_tokens``. Read without locking (a snapshot)."""
-        sched = self.scheduler
-        return web.json_response({**sched.stats, "running_requests": len(sched._rows),
-                                  "waiting_requests": len(sched._waiting) + (sched._staged is not None),
-                                  "max_prefill_tokens": sched.max_prefill_tokens})
-
-    async def pause_generation(self, request: web.Request) -> web.Response:
-        """``POST /pause_generation`` (body ignored), SGLang's abort mode: running requests are
-        aborted at the next decode-step boundary with their partial output, waiting ones
-        with zero tokens; new ``/generate`` calls are held.  Replies once nothing is in flight:
-        ``{"status": "ok", "message": ..., "num_aborted_requests": N}``."""
-        self._resumed.clear()
-        n = await self.scheduler.submit("pause")
-        return web.json_response({"status": "ok", "message": "Generation paused successfully.",
-                                  "num_aborted_requests": n})
-
-    async def continue_generation(self, request: web.Request) -> web.Response:
-        """``POST /continue_generation``: release held ``/generate`` requests."""
-        self._resumed.set()
-        return web.json_response({"status": "ok",
-                                  "message": "Generation continued successfully."})
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_disk`` ``{"model_path": str, "weight_version": int?}``.
-
-        Loads safetensors from the folder into the live model between decode steps. With
-        ``abort_all_requests: true`` (SGLang's flag, sent by arealite's client) running and
-        waiting requests are first aborted with their partial output, so every token is tagged
-        with the version that produced it; otherwise running requests continue with the new
-        weights (attending over KV of the old ones) and their reply reports the new version.
-        200 ``{"success": true, "message", "num_paused_requests": 0}``; 400 ``{"success":
-        false, "message"}`` with old weights kept.
-        """
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
-            return web.json_response(
-                {"success": False, "message": "body must be {\"model_path\": str}"}, status=400)
-        try:
-            version = _parse_version(body.get("weight_version"))
-        except ValueError as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
-        status, result = await self.scheduler.submit(
-            "update_weights", (body["model_path"], version, bool(body.get("abort_all_requests"))))
-        return web.json_response(result, status=status)
-
-
-    # -- distributed weight updates (SGLang request shapes; see arealite.engine.weight_sync)
-
-    @staticmethod
-    async def _json_object(request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None
-        return body if isinstance(body, dict) else None
-
-    @staticmethod
-    def _fail(message: str, status: int = 400):
-        return web.json_response({"success": False, "message": message}, status=status)
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """``POST /init_weights_update_group`` ``{"master_address": str, "master_port": int
-        (or a numeric string, as AReaL sends), "rank_offset": int, "world_size": int,
-        "group_name": str = "weight_update_group", "backend": "gloo" | "nccl"}``.
-
-        Joins the trainer's weight-update group at rank ``rank_offset`` (no tensor
-        parallelism here) and replies once every rank has joined: ``{"success": true,
-        "message"}``; 400 ``{"success": false, "message"}`` on bad fields or a failed join.
-        A group of the same name is replaced (a restarted trainer).
-        """
-        from arealite.api.weight_update import DEFAULT_GROUP_NAME
-        from arealite.engine.weight_group import new_weight_update_group
-
-        body = await self._json_object(request)
-        if body is None:
-            return self._fail("body must be a JSON object")
-        try:
-            address = body["master_address"]
-            port = int(body["master_port"])
-            rank, world = body["rank_offset"], body["world_size"]
-        except (KeyError, TypeError, ValueError) as e:
-            return self._fail(f"need master_address, master_port, rank_offset, world_size: {e!r}")
-        name = body.get("group_name", DEFAULT_GROUP_NAME)
-        backend = body.get("backend", "nccl" if self.scheduler.device.type == "cuda" else "gloo")
-        if not (_is_int(rank) and _is_int(world) and 1 <= rank < world):
-            return self._fail("rank_offset and world_size must be integers with "
-                              "1 <= rank_offset < world_size (rank 0 is the trainer)")
-        if backend == "nccl" and self.scheduler.device.type != "cuda":
-            return self._fail("backend 'nccl' needs a GPU server; use 'gloo' on CPU")
-        if self.groups.pop(name, None) is not None:
-            # A restarted trainer re-creates its group under the same name: the old one is dead.
-            # A receive still blocked in the old group fails once the old trainer's connections
-            # close (it exited) or at that group's timeout; it does not block the new group.
-            logger.warning("replacing weight-update group %r (a new trainer joined)", name)
-        loop = asyncio.get_running_loop()
-        try:
-            pg = await loop.run_in_executor(None, new_weight_update_group, address, port, rank,
-                                            world, name, backend)
-        except Exception as e:  # noqa: BLE001 - reported to the trainer
-            logger.exception("joining weight-update group failed")
-            return self._fail(f"joining group {name!r} at {address}:{port} failed: {e}")
-        self.groups[name] = (pg, backend)
-        return web.json_response({"success": True,
-                                  "message": f"Joined {name!r} as rank {rank}/{world}."})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_distributed`` ``{"names": [str], "dtypes": [str],
-        "shapes": [[int]], "group_name": str, "weight_version": int?, "flush_cache": bool?}``.
-
-        Receives one broadcast (from rank 0 of the group) per name, in order, into tensors of
-        the declared dtype and shape, then loads them between decode steps. The tensors are
-        always received (so the group's collectives stay aligned) before anything is checked
-        against the model; a bad name or shape gives 400 and leaves the weights untouched.
-        ``flush_cache`` is accepted and ignored: loading new weights always empties the prefix
-        store and stops prefix sharing with rows computed under the old weights.
-        """
-        from arealite.api.weight_update import parse_dtype
-        from arealite.engine.weight_group import broadcast_tensor
-
-        body = await self._json_object(request)
-        if body is None:
-            return self._fail("body must be a JSON object")
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        name = body.get("group_name", "weight_update_group")
-        version = body.get("weight_version")
-        if name not in self.groups:
-            return self._fail(f"no weight-update group {name!r}; call /init_weights_update_group")
-        ok = (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-              and len(names) == len(dtypes) == len(shapes)
-              and all(isinstance(s, list) and all(_is_int(d) for d in s) for s in shapes))
-        if not ok:
-            return self._fail("names, dtypes and shapes must be lists of equal length "
-                              "(shapes: lists of integers)")
-        try:
-            version = _parse_version(version)
-            torch_dtypes = [parse_dtype(d) for d in dtypes]
-        except (ValueError, AttributeError) as e:
-            return self._fail(str(e))
-        pg, backend = self.groups[name]
-        device = self.scheduler.device if backend == "nccl" else torch.device("cpu")
-
-        def receive():
-            out = {}
-            for n, dt, shape in zip(names, torch_dtypes, shapes):
-                t = torch.empty(shape, dtype=dt, device=device)
-                broadcast_tensor(pg, t)
-                out[n] = t
-            return out
-
-        try:
-            tensors = await asyncio.get_running_loop().run_in_executor(None, receive)
-        except Exception as e:  # noqa: BLE001 - reported to the trainer
-            logger.exception("receiving weights failed")
-            return self._fail(f"receiving {len(names)} tensors failed (weights may be partly "
-                              f"updated; push again): {e}")
-        status, result = await self.scheduler.submit("load_tensors", (tensors, version))
-        return web.json_response(result, status=status)
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        """``POST /get_weights_by_name`` ``{"name": str, "truncate_size": int = 100,
-        "digest": bool = false}`` -> SGLang's reply, the parameter's first ``truncate_size``
-        rows as nested lists; with ``digest`` instead ``{"name", "shape", "dtype", "sha256"}``
-        (sha256 of the float32 bytes, C order) to compare whole tensors cheaply."""
-        import hashlib
-
-        body = await self._json_object(request) or {}
-        state = self.scheduler.model.state_dict()
-        name = body.get("name")
-        if name not in state:
-            return _error("name", f"unknown parameter {name!r}; e.g. {list(state)[:3]}")
-        t = state[name].detach().float().cpu().contiguous()
-        if body.get("digest"):
-            return web.json_response({"name": name, "shape": list(t.shape),
-                                      "dtype": str(state[name].dtype).removeprefix("torch."),
-                                      "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()})
-        size = body.get("truncate_size", 100)
-        if not _is_int(size) or size < 0:
-            return _error("truncate_size", "truncate_size must be an integer >= 0")
-        return web.json_response(t[:size].tolist() if t.dim() else t.item())
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        """``POST /destroy_weights_update_group`` ``{"group_name": str}``: leave the group."""
-        body = await self._json_object(request) or {}
-        entry = self.groups.pop(body.get("group_name", "weight_update_group"), None)
-        if entry is None:
-            return self._fail("no such group")
-        return web.json_response({"success": True, "message": "Group destroyed."})
-
-
-# ----------------------------------------------------------------------------- entry point
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-path", required=True, help="HF causal-LM folder")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--max-batch-size", type=int, default=64, help="most running requests")
-    p.add_argument("--max-prefill-tokens", type=int, default=1024,
-                   help="prompt tokens prefilled per scheduler iteration (and per forward)")
-    p.add_argument("--prefix-cache-tokens", type=int, default=8192,
-                   help="KV of finished requests kept for later requests with the same prefix "
-                        "(e.g. the next turn of an episode) [tokens]; 0 = off")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--weight-version", type=int, default=0)
-    p.add_argument("--parent-pid", type=int, default=0,
-                   help="exit when this process is gone (set by arealite's launcher); 0 = never")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--decode-step-delay", type=float, default=0.0,
-                   help="testing aid: seconds to sleep after each decode step, so that "
-                        "pause/update timing can be exercised with tiny, fast models")
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    """Load the model, start the scheduler thread and serve HTTP until interrupted."""
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(args.num_threads)
-    if args.parent_pid:
-        from arealite.utils.proc import exit_when_parent_dies
-
-        exit_when_parent_dies(args.parent_pid)
-    torch.manual_seed(args.seed)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
-    model.to(args.device).eval()
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
-        tokenizer = None
-    scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version,
-                          args.decode_step_delay, tokenizer, args.max_prefill_tokens,
-                          args.prefix_cache_tokens)
-    server = Server(scheduler, args.model_path)
-    logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
-    # handler_cancellation: a client that disconnects (e.g. timed out and moved to another
-    # server) cancels its /generate handler, which aborts the request here.
-    web.run_app(server.app(), host=args.host, port=args.port, print=None,
-                handler_cancellation=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,55 @@
+"""A small transformers-based generation server speaking a subset of SGLang's HTTP protocol.
+
+It lets arealite's rollout side run without SGLang (CPU-only machines, tests, tiny models)
+while talking to it with the same client code.  The server works on token ids only, like
+SGLang launched with ``--skip-tokenizer-init``; the model folder needs no tokenizer.
+
+Run::
+
+    python -m arealite.engine.server --model-path DIR --host 127.0.0.1 --port 30000 \
+        --num-threads 1 --max-batch-size 64 --dtype float32 --seed 1 [--weight-version 0]
+
+Implemented subset of SGLang's protocol (JSON in, JSON out):
+
+- ``POST /generate`` -- one sequence per request (``n`` must be 1), ``input_ids`` only
+  (no text), ``sampling_params`` with ``temperature``, ``top_p``, ``top_k``,
+  ``max_new_tokens``, ``stop_token_ids``, ``stop`` (strings; needs a tokenizer in the model
+  folder) and ``ignore_eos``; ``return_logprob`` adds ``meta_info.output_token_logprobs`` as
+  ``[[logprob, token_id, null], ...]``.
+- ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info`` (scheduler counters).
+- ``POST /pause_generation`` / ``POST /continue_generation`` (abort-on-pause semantics).
+- ``POST /update_weights_from_disk`` (safetensors, applied between decode steps).
+- ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
+  ``POST /destroy_weights_update_group``: weights broadcast by the trainer (gloo on CPU, NCCL on
+  GPU), see :mod:`arealite.engine.weight_sync`; request bodies in :mod:`arealite.api.weight_update`.
+
+Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA, input logprobs,
+tensor parallelism, sliding-window attention (refused at start-up), sharing KV blocks in
+place between rows (prefixes are copied; SGLang's radix cache and vLLM's paged blocks share).
+
+Design: the model lives in ONE scheduler thread.  HTTP handlers (aiohttp, event-loop thread)
+put typed messages on a thread-safe queue and await an asyncio future that the scheduler
+resolves with ``loop.call_soon_threadsafe``.  The scheduler does continuous batching: between
+decode steps it drains its queue and admits waiting requests; finished requests leave.
+The KV cache is one preallocated row per running request with its tokens left-aligned,
+written in place by an attention function registered in transformers' ``AttentionInterface``,
+so the HF model code runs unchanged while the server owns the cache: prefill is packed without
+padding, decode attends over each row's own length, nothing is concatenated per step, and
+requests with the same prompt (the samples of a GRPO group) share one prefill.  Finished
+requests leave their KV in a prefix store (LRU, ``--prefix-cache-tokens``), so the next turn of
+a multi-turn episode prefills only its new tokens.  Position ids are each row's own token
+positions, so a row computes what it would compute alone (up to float rounding).
+
+Modules, one concern each:
+
+- :mod:`~arealite.engine.server.protocol`: ``/generate`` parsing (``SamplingParams``,
+  ``RequestError``), abort reasons, the one error-reply body;
+- :mod:`~arealite.engine.server.sampling`: next-token sampling (temperature, top-k, top-p);
+- :mod:`~arealite.engine.server.weights`: loads from disk and from received buckets, the
+  weight-update groups;
+- :mod:`~arealite.engine.server.kv_cache`: ``SlotKVCache``, ``PrefixStore``, ``slot_attention``;
+- :mod:`~arealite.engine.server.messages`: the typed messages HTTP thread -> scheduler thread;
+- :mod:`~arealite.engine.server.scheduler`: ``Scheduler`` (continuous batching);
+- :mod:`~arealite.engine.server.http`: the aiohttp app and handlers;
+- ``__main__``: command-line arguments and ``main``.
+"""

@@ -1,0 +1,80 @@
+"""``python -m arealite.engine.server``: command-line arguments, model loading and ``main``
+(see the package docstring for the protocol)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+from aiohttp import web
+
+from arealite.engine.server.http import Server
+from arealite.engine.server.scheduler import Scheduler
+
+logger = logging.getLogger("arealite.server")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m arealite.engine.server",
+                                description="A transformers-based generation server speaking a subset of "
+                                            "SGLang's HTTP protocol.")
+    p.add_argument("--model-path", required=True, help="HF causal-LM folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most running requests")
+    p.add_argument("--max-prefill-tokens", type=int, default=1024,
+                   help="prompt tokens prefilled per scheduler iteration (and per forward)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=8192,
+                   help="KV of finished requests kept for later requests with the same prefix "
+                        "(e.g. the next turn of an episode) [tokens]; 0 = off")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="exit when this process is gone (set by arealite's launcher); 0 = never")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--decode-step-delay", type=float, default=0.0,
+                   help="testing aid: seconds to sleep after each decode step, so that "
+                        "pause/update timing can be exercised with tiny, fast models")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    """Load the model, start the scheduler thread and serve HTTP until interrupted."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.num_threads)
+    if args.parent_pid:
+        from arealite.utils.proc import exit_when_parent_dies
+
+        exit_when_parent_dies(args.parent_pid)
+    torch.manual_seed(args.seed)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
+    model.to(args.device).eval()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
+        tokenizer = None
+    scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version,
+                          args.decode_step_delay, tokenizer, args.max_prefill_tokens,
+                          args.prefix_cache_tokens)
+    server = Server(scheduler, args.model_path)
+    logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
+    # handler_cancellation: a client that disconnects (e.g. timed out and moved to another
+    # server) cancels its /generate handler, which aborts the request here.
+    web.run_app(server.app(), host=args.host, port=args.port, print=None,
+                handler_cancellation=True)
+
+
+
+
+if __name__ == "__main__":
+    main()
