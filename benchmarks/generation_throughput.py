@@ -123,7 +123,7 @@ def start_vllm(args, model_path: str):
         cmd += ["--dtype", args.dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **server_env("vllm"))
     if args.device == "cpu":  # the same number of cores as our server
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else f"0-{args.threads - 1}")
     log = open(os.path.join(args.workdir, "vllm.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     addr = f"127.0.0.1:{port}"

@@ -12,7 +12,8 @@ import pytest
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.engine.remote import RemoteInferenceEngine, SGLangAdapter, VLLMAdapter
-from arealite.launcher.local import check_backend_installed, gpu_assignment, launch_servers, server_command, server_env
+from arealite.launcher.local import (check_backend_installed, gpu_assignment, launch_servers, server_command, server_env,
+                                     vllm_cpu_cores)
 
 
 def _cfg(**kw):
@@ -59,6 +60,12 @@ def test_local_command_binds_loopback():
     assert cmd[:3] == [sys.executable, "-m", "arealite.engine.server"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "30003"
     assert cmd[cmd.index("--max-batch-size") + 1] == "32"
+
+
+def test_vllm_cpu_servers_get_their_own_cores():
+    assert [vllm_cpu_cores(i, 1, n_cpus=2) for i in range(3)] == ["0", "1", "0"]
+    assert [vllm_cpu_cores(i, 2, n_cpus=4) for i in range(2)] == ["0-1", "2-3"]
+    assert vllm_cpu_cores(1, 2, n_cpus=3) == "2,0"  # wraps around
 
 
 def test_gpu_assignment_after_the_trainer_gpus():

@@ -151,6 +151,17 @@ def server_env(backend: str, environ: dict | None = None, cpu: bool | None = Non
     return env
 
 
+def vllm_cpu_cores(index: int, threads: int, n_cpus: int | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of vLLM-CPU server ``index``: its own ``threads`` cores,
+    ``index·threads`` onwards (wrapping around ``n_cpus``), e.g. ``"0"`` or ``"2-3"`` / ``"3,0"``.
+    vLLM's default ("auto") would bind every server to the same cores."""
+    n_cpus = n_cpus or os.cpu_count() or 1
+    cores = [(index * threads + k) % n_cpus for k in range(threads)]
+    if cores == list(range(cores[0], cores[0] + threads)):
+        return str(cores[0]) if threads == 1 else f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
 def gpu_assignment(n_servers: int, tp_size: int, trainer_gpus: int, visible: list[str]) -> list[str]:
     """``CUDA_VISIBLE_DEVICES`` of each server: the ``tp_size`` GPUs after the trainer's.
 
@@ -207,6 +218,8 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
         env = dict(os.environ, OMP_NUM_THREADS=str(config.server_threads), **server_env(config.backend))
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        elif config.backend == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu_cores(i, config.server_threads)
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)  # the server is not part of the trainer's process group
         log = open(os.path.join(log_dir, f"server{i}.log"), "a")
