@@ -297,3 +297,27 @@ def test_engine_disk_update_and_version_check_with_vllm(tiny_model_dir, model_b)
             engine.update_weights(WeightUpdateMeta(type="disk", path="/nonexistent", version=6))
     for w in workers:
         _assert_same_weights(w.model_runner.model.hf, sender)
+
+
+def test_tied_modules_are_post_processed_again():
+    """The tied LM head gets no checkpoint tensor in a reload, so its post-processing (on vLLM-CPU
+    a packed GEMM handle of the embedding) is re-run; modules with their own weights are not."""
+    from arealite.engine.vllm_ext import reprocess_shared_modules
+
+    class Method:
+        def __init__(self):
+            self.seen = []
+
+        def process_weights_after_loading(self, layer):
+            self.seen.append(layer.weight.detach().clone())
+
+    model = torch.nn.Module()
+    model.embed, model.head, model.other = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False), torch.nn.Linear(3, 3)
+    model.head.weight = model.embed.weight  # tied
+    for m in (model.embed, model.head, model.other):
+        m.quant_method = Method()
+    with torch.no_grad():
+        model.embed.weight.fill_(2.0)
+    assert reprocess_shared_modules(model) == ["embed", "head"]
+    assert len(model.head.quant_method.seen) == 1 and torch.equal(model.head.quant_method.seen[0], torch.full((5, 3), 2.0))
+    assert model.other.quant_method.seen == []

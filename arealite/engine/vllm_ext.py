@@ -111,12 +111,18 @@ def read_safetensors(folder: str) -> list[tuple[str, torch.Tensor]]:
 
 def reprocess_shared_modules(model: torch.nn.Module) -> list[str]:
     """Re-run ``quant_method.process_weights_after_loading`` on every module that shares a
-    parameter object with another module (a tied LM head and its embedding).
+    parameter object with another module (a tied LM head and its embedding), if its method is
+    vLLM's ``UnquantizedEmbeddingMethod`` (re-running it is idempotent: CPU repacks the GEMM
+    handle from the current weight, CUDA does nothing).
 
     vLLM's reload processes only layers that received checkpoint tensors; a tied ``lm_head``
     receives none, so whatever its post-processing derived from the weight (on CPU: a packed
     GEMM handle) would stay on the old embedding. Returns the names of the modules processed.
     """
+    try:  # vLLM ties only unquantized heads (model_loader/weight_tying.py); leave others alone
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod as kind
+    except ImportError:  # no vLLM (tests with fake workers): any quant_method
+        kind = None
     owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
     for mod_name, mod in model.named_modules():
         for p in mod.parameters(recurse=False):
@@ -124,7 +130,8 @@ def reprocess_shared_modules(model: torch.nn.Module) -> list[str]:
     done: dict[str, torch.nn.Module] = {}
     for mods in owners.values():
         if len(mods) > 1:
-            done.update((n, m) for n, m in mods if getattr(m, "quant_method", None) is not None)
+            done.update((n, m) for n, m in mods if getattr(m, "quant_method", None) is not None
+                        and (kind is None or isinstance(m.quant_method, kind)))
     for mod in done.values():
         mod.quant_method.process_weights_after_loading(mod)
     return sorted(done)
