@@ -46,43 +46,50 @@ def test_agent_recipe_two_steps_on_two_ranks(tiny_model_dir, tmp_path, recipe, m
     assert os.path.exists(out / "final" / "config.json")
 
 
-def test_tool_agent_recipe_resumes_after_sigkill_at_the_saved_step(tiny_model_dir, tmp_path):
-    """--recover.freq_steps 1: SIGKILL the whole run (trainer + its server) once recover/step2 is
-    complete, rerun with --recover.mode auto: it resumes at step 2 and trains steps 2, 3 only."""
-    import signal
-    import time
+KILL_AFTER_SAVE = """
+import os, runpy, signal, sys
+import arealite.launcher.rl_loop as loop
+real = loop.save_checkpoint
+def save_then_die(root, step, *args, **kwargs):
+    path = real(root, step, *args, **kwargs)
+    if step == int(os.environ["KILL_AFTER_STEP"]):
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # trainer, torchrun and the server, mid-run
+    return path
+loop.save_checkpoint = save_then_die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
+
+def test_tool_agent_recipe_resumes_after_sigkill_at_the_saved_step(tiny_model_dir, tmp_path):
+    """--recover.freq_steps 1 --recover.mode auto: the run is SIGKILLed (trainer, torchrun and the
+    server) right after recover/step2 is written; the same command again resumes at step 2 and
+    trains steps 2, 3 only."""
     from arealite.utils.recover import list_checkpoints
 
+    recipe = os.path.join(REPO_ROOT, "recipes", "tool_agent_math.py")
     args = ["--config", os.path.join(REPO_ROOT, "recipes", "configs", "tool_agent_math.yaml"),
             "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--train_dataset.path", "arithmetic",
             "--valid_dataset.path", "arithmetic", "--recover.freq_steps", "1", "--recover.mode", "auto",
-            "--evaluator.at_end", "False", *SMALL[:-2], "--evaluator.at_start", "False"]
+            "--evaluator.at_end", "False", *SMALL]
     args[args.index("--total_train_steps") + 1] = "4"
     out = tmp_path / "tool_agent_math" / "trial0"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(REPO_ROOT, "recipes", "tool_agent_math.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        deadline = time.time() + 600
-        while time.time() < deadline and proc.poll() is None:
-            if [s for s, _ in list_checkpoints(str(out / "recover"))] == [2]:
-                break
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert [s for s, _ in list_checkpoints(str(out / "recover"))] == [2], open(tmp_path / "first.log").read()[-3000:]
-    steps = [json.loads(line)["step"] for line in open(out / "stats.jsonl") if "summary" not in line]
-    assert steps[:2] == [0, 1]
+    (tmp_path / "kill_after_save.py").write_text(KILL_AFTER_SAVE)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AFTER_STEP": "2"}
+    first = subprocess.run([*torchrun, str(tmp_path / "kill_after_save.py"), recipe, *args], cwd=str(tmp_path),
+                           capture_output=True, text=True, timeout=600, env=env, start_new_session=True)
+    assert first.returncode != 0, first.stdout[-3000:] + first.stderr[-3000:]  # killed, not finished
+    assert [s for s, _ in list_checkpoints(str(out / "recover"))] == [2]
+    steps = [json.loads(line)["step"] for line in open(out / "stats.jsonl")]
+    assert steps == [0, 1]
 
-    second = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=600, env=env)
+    second = subprocess.run([*torchrun, recipe, *args], cwd=str(tmp_path), capture_output=True, text=True,
+                            timeout=600, env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     assert f"resuming from {out / 'recover' / 'step2'}" in second.stdout
     rows = [json.loads(line) for line in open(out / "stats.jsonl")]
-    resumed = [r["step"] for r in rows if "summary" not in r][len(steps):]
-    assert resumed == [2, 3]  # resumed at the saved step; nothing before it trained again
+    assert [r["step"] for r in rows if "summary" not in r] == [0, 1, 2, 3]  # resumed at 2, nothing redone
     assert [s for s, _ in list_checkpoints(str(out / "recover"))] == [4]
 
 

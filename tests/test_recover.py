@@ -242,5 +242,5 @@ def test_grpo_recipe_resumes_at_the_saved_step_and_version(tiny_model_dir, tmp_p
     assert steps[0]["rollout/staleness_max"] == 0 and steps[0]["rollout/dropped_stale"] == 0
     assert [s for s, _ in list_checkpoints(str(out / "recover"))] == [3]
     resumed = torch.load(out / "recover" / "step3" / "trainer_state_rank0.pt", weights_only=False)
-    assert resumed["engines"]["actor"]["version"] == 3 and resumed["stateful"]["rollout"]["returned"] == 12
+    assert resumed["step"] == 3 and resumed["stateful"]["rollout"]["returned"] == 12
     assert resumed["engines"]["actor"]["lr_scheduler"]["last_epoch"] == 3  # the schedule continued

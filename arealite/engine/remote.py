@@ -426,19 +426,6 @@ class RemoteInferenceEngine(InferenceEngine):
             resp.raise_for_status()
             return await resp.json()
 
-    async def _apost(self, addr: str, endpoint: str, payload: dict) -> dict:
-        """POST to one server with retries on connection errors and timeouts; 4xx raises at once."""
-        last: Exception | None = None
-        for attempt in range(max(1, self.config.request_retries)):
-            try:
-                return await self._apost_once(addr, endpoint, payload)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                last = e
-                logger.warning("%s%s attempt %d failed: %r", addr, endpoint, attempt + 1, e)
-            if attempt + 1 < self.config.request_retries:
-                await asyncio.sleep(2**attempt)
-        raise self._give_up(f"{addr}{endpoint}", last)
-
     def _give_up(self, where: str, last: Exception | None) -> ServerError:
         cls = ServerTimeoutError if isinstance(last, asyncio.TimeoutError) else ServerError
         return cls(f"{where}: no answer after {self.config.request_retries} attempts "

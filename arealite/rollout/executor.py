@@ -1,8 +1,8 @@
 """The asynchronous rollout executor: an asyncio loop in a background thread.
 
 The trainer thread calls :meth:`WorkflowExecutor.submit` / :meth:`~WorkflowExecutor.wait`
-(or :meth:`~WorkflowExecutor.prepare_batch` in asynchronous mode and
-:meth:`~WorkflowExecutor.rollout_batch` in synchronous mode); the loop thread starts episodes
+or :meth:`~WorkflowExecutor.prepare_batch` (synchronous RL is ``max_head_offpolicyness = 0``:
+no episode of the next batch starts before the trainer's version moves on); the loop thread starts episodes
 (``RolloutWorkflow.arun_episode``) whenever the staleness rule of
 :mod:`arealite.rollout.staleness` admits them, runs them concurrently, and queues their
 trajectories. Generation therefore keeps going while the trainer trains: with
@@ -179,9 +179,6 @@ class WorkflowExecutor:
     def resume(self) -> None:
         self._paused.clear()
 
-    def is_paused(self) -> bool:
-        return self._paused.is_set()
-
     # -- producer / consumer API -----------------------------------------------------------------
     def submit(self, data: dict[str, Any], workflow: "RolloutWorkflow") -> None:
         """Queue one episode. Raises ``RuntimeError`` if the input queue is full."""
@@ -244,12 +241,6 @@ class WorkflowExecutor:
             self._discard(seq)
         self._returned += count
         return concat_padded([traj for _, traj in taken])
-
-    def rollout_batch(self, data: list[dict[str, Any]], workflow: "RolloutWorkflow") -> dict[str, torch.Tensor]:
-        """Synchronous mode: run one episode per row of ``data`` and wait for all of them."""
-        for row in data:
-            self.submit(row, workflow)
-        return self.wait(len(data))
 
     def prepare_batch(self, loader: "EpochLoader | Iterable", workflow: "RolloutWorkflow") -> dict[str, torch.Tensor]:
         """Asynchronous mode: keep the executor fed from ``loader`` (an :class:`EpochLoader`, which
