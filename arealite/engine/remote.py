@@ -528,7 +528,8 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def weight_update_meta(self, path: str, version: int) -> WeightUpdateMeta:
         """The :class:`WeightUpdateMeta` for this config (``rollout.weight_sync``): the trainer
-        passes it to ``upload_weights`` (all ranks) and rank 0 to :meth:`update_weights`.
+        passes it to ``push_weights`` (all ranks, :mod:`arealite.launcher.weight_update`) and rank 0
+        to :meth:`update_weights`.
 
         ``addresses``: the servers not excluded (:meth:`exclude_servers`, or a failed pause or
         update), in the original order; build the meta after :meth:`pause_generation` so that a
@@ -543,7 +544,7 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """"disk": every server loads the HF folder ``meta.path`` and reports ``meta.version``.
-        "distributed": the trainer's ``upload_weights`` already pushed the tensors; check that
+        "distributed": the trainer's ``push_weights`` already broadcast the tensors; check that
         every server of ``meta.addresses`` reports ``meta.version``.
 
         Raises:

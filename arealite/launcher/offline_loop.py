@@ -1,7 +1,8 @@
 """The supervised training loop (SFT, offline DPO): batches from a fixed dataset, no rollouts.
 
     from arealite.launcher.offline_loop import run_offline
-    run_offline(config, train_rows, collate, build_algorithm, evaluate)
+    model_path, tokenizer, recover_path = prepare_offline(config, rank)
+    run_offline(config, model_path, recover_path, train_rows, collate, build_algorithm, evaluate)
 
 It shares the RL loop's data position (:class:`arealite.dataset.loader.EpochLoader`: a new
 shuffle order every epoch, resumable), recover checkpoints (``--recover.freq_steps N``,
