@@ -300,17 +300,18 @@ def test_worker_hang_crash_raise_are_each_counted():
 
 
 def test_worker_memory_leak_across_calls_is_bounded_by_a_fresh_pool():
-    """Each call keeps 64 MiB alive in the worker: with a 300 MiB limit the worker is ended (and
-    its memory freed) before the 4th or 5th call completes, the next call runs on a fresh pool
-    (counter restarts at 1), and the host never holds more than limit + one poll's growth."""
+    """Each call keeps 64 MiB more alive in the worker (the return value counts the chunks held).
+    With a 300 MiB limit the watchdog ends the worker at most one chunk past the limit; calls then run
+    on a fresh worker (the count restarts at 1), and the live worker stays under the limit."""
     from reward_fns import leak_memory
 
     with RewardWorker(timeout=30, max_memory_mb=300) as w:
-        out = [w.compute(leak_memory, 64) for _ in range(8)]
+        out = [w.compute(leak_memory, 64) for _ in range(12)]
         assert w.stats["memory"] >= 1 and w.stats["crash"] == 0
-        first_kill = out.index(0.0)
-        assert out[:first_kill] == [float(i) for i in range(1, first_kill + 1)] and 2 <= first_kill <= 5
-        assert out[first_kill + 1] == 1.0  # fresh worker, empty leak list
+        assert w.stats["ok"] + w.stats["memory"] == 12 == w.stats["calls"]
+        assert max(out) <= 300 // 64 + 1  # bounded: the limit plus the one chunk of a 20 ms poll's lag
+        assert out.count(1.0) >= 2  # a fresh worker (empty leak list) took over
+        assert out.count(0.0) == w.stats["memory"]
         for p in w._pool._processes.values():
             with open(f"/proc/{p.pid}/status") as f:
                 rss_kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS"))
