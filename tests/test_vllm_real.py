@@ -353,7 +353,9 @@ def test_grpo_recipe_three_steps(on_model_a, models, tmp_path, monkeypatch, weig
     """``recipes/grpo_math.py --rollout.backend vllm``: 3 steps; after every update the server's
     prompt logprobs equal the recompute with the actor's weights and its greedy tokens equal HF
     ``generate`` of them. The actor starts from B while the server holds A, so the first update
-    must change the server's weights."""
+    must change the server's weights; the random model earns no reward (zero gradients), so AdamW's
+    decoupled weight decay (lr 0.05 x decay 1.0: every weight x 0.95 per optimizer step) makes
+    every later update change them too."""
     addr = on_model_a
     loop = _loop_module()
     real_sync = loop.sync_weights
@@ -363,7 +365,7 @@ def test_grpo_recipe_three_steps(on_model_a, models, tmp_path, monkeypatch, weig
         real_sync(actor, *args, **kwargs)
         version = args[-1]
         ref = load_hf(models["B"])
-        state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+        state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
                  for n, p in actor.model.named_parameters()}
         missing, unexpected = ref.load_state_dict(state, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -385,6 +387,8 @@ def test_grpo_recipe_three_steps(on_model_a, models, tmp_path, monkeypatch, weig
               "--rollout.weight_sync_bucket_mb", str(bucket_mb), "--gconfig.n_samples", "2",
               "--gconfig.max_new_tokens", "8", "--rollout.consumer_batch_size", "4",
               "--train_dataset.batch_size", "4", "--valid_dataset.size", "4",
-              "--evaluator.at_start", "False", "--evaluator.at_end", "False"])
+              "--evaluator.at_start", "False", "--evaluator.at_end", "False",
+              "--actor.optimizer.lr", "0.05", "--actor.optimizer.weight_decay", "1.0"])
     print(f"3 GRPO steps with {weight_sync}: {time.perf_counter() - t0:.1f} s; checks {checks}")
     assert [c[0] for c in checks] == [1, 2, 3]
+    assert all(change > 1e-3 for _, _, change in checks[1:]), checks  # every update moved the weights
