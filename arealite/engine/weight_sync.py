@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from arealite.api.weight_update import DEFAULT_GROUP_NAME, UpdateBucket, dtype_name, parse_dtype  # noqa: F401 (old import path of the dtype helpers)
-from arealite.engine.remote import SGLangAdapter, ServerError, post_control, post_json
+from arealite.engine.adapters import SGLangAdapter, ServerError
+from arealite.engine.remote import post_control, post_json
 from arealite.engine.weight_group import WeightUpdateGroup, broadcast_tensor, new_weight_update_group
 
 logger = logging.getLogger("arealite.weight_sync")

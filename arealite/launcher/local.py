@@ -31,15 +31,23 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from arealite.api.config import InferenceEngineConfig
-from arealite.engine.remote import RemoteInferenceEngine, VLLMAdapter, wait_healthy
+from arealite.engine.adapters import VLLMAdapter
+from arealite.engine.remote import RemoteInferenceEngine, post_control, wait_healthy
+
+logger = logging.getLogger("arealite.launcher")
 
 
 def trainer_threads(config: InferenceEngineConfig, world_size: int) -> int:
@@ -191,6 +199,87 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+@dataclass
+class _Launched:
+    proc: subprocess.Popen
+    cmd: list[str]
+    env: dict
+    log: Any
+    restarts: int = 0
+
+
+_LAUNCHED: dict[str, _Launched] = {}  # address → the server process this process launched
+_STOPPING = threading.Event()
+
+
+class ServerSupervisor(threading.Thread):
+    """Trainer rank 0: restarts a launched server whose process exits, on the same port, and
+    brings it to the trainer's weights before the client uses it again.
+
+    While a server restarts, the client (:class:`RemoteInferenceEngine`) sends it nothing and
+    skips it in pauses and weight loads (``engine.restarting``); requests with no live server
+    wait for it instead of failing. Catch-up: with ``rollout.weight_sync=disk`` the restarted
+    server loads the folder of the last weight update at its version (under ``engine.sync_lock``,
+    so never while a sync rewrites it); with ``distributed`` it joins the next push. After
+    ``rollout.max_server_restarts`` restarts of one server it is excluded for good.
+    """
+
+    def __init__(self, engine: RemoteInferenceEngine, config: InferenceEngineConfig, poll_s: float = 0.5):
+        super().__init__(name="arealite-server-supervisor", daemon=True)
+        self.engine, self.config, self.poll_s = engine, config, poll_s
+
+    def claim(self, addr: str) -> bool:
+        """The client's ``restart_hook``: True (and ``addr`` marked restarting) when ``addr`` failed
+        a call because its process exited and a restart is left."""
+        rec = _LAUNCHED.get(addr)
+        if addr in self.engine.restarting:
+            return True  # the restart is already under way
+        if rec is None or _STOPPING.is_set() or rec.restarts >= self.config.max_server_restarts:
+            return False
+        try:
+            rec.proc.wait(timeout=2.0)  # a refused connection: the process is exiting or gone
+        except subprocess.TimeoutExpired:
+            return False  # alive but failing: the client's rules apply
+        self.engine.restarting.add(addr)
+        return True
+
+    def run(self) -> None:
+        while not _STOPPING.wait(self.poll_s):
+            for addr, rec in list(_LAUNCHED.items()):
+                if addr in self.engine.addresses and rec.proc.poll() is not None and not _STOPPING.is_set():
+                    try:
+                        self._restart(addr, rec)
+                    except Exception:  # noqa: BLE001 - the run goes on with the other servers
+                        logger.exception("restarting server %s failed; it is excluded", addr)
+                        self.engine.restarting.discard(addr)
+                        self.engine.exclude_servers([addr], "its restart failed")
+
+    def _restart(self, addr: str, rec: _Launched) -> None:
+        engine = self.engine
+        engine.restarting.add(addr)
+        engine.mark_dead(addr)
+        if rec.restarts >= self.config.max_server_restarts:
+            raise RuntimeError(f"server {addr} exited (code {rec.proc.returncode}) after "
+                               f"rollout.max_server_restarts={self.config.max_server_restarts} restarts")
+        rec.restarts += 1
+        start = time.monotonic()
+        logger.error("server %s exited with code %s; restarting it (restart %d of at most %d)", addr,
+                     rec.proc.returncode, rec.restarts, self.config.max_server_restarts)
+        rec.proc = subprocess.Popen(rec.cmd, stdout=rec.log, stderr=subprocess.STDOUT, env=rec.env)
+        wait_healthy([addr], self.config.setup_timeout)
+        with engine.sync_lock:  # no weight sync is rewriting the folder meanwhile
+            if engine.last_disk_update is not None and engine.get_version() > 0:
+                path, version = engine.last_disk_update
+                reply = post_control(engine.adapter, addr, engine.adapter.disk_update(path, version),
+                                     self.config.request_timeout, self.config.request_retries)
+                logger.warning("restarted server %s loaded %s (version %d): %s", addr, path, version, reply)
+            elif engine.get_version() > 0:  # distributed: the next push brings it up to date
+                logger.warning("restarted server %s joins the next weight update", addr)
+                return
+            engine.readmit(addr)
+        logger.warning("server %s restarted and caught up in %.1f s", addr, time.monotonic() - start)
+
+
 def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1,
                    trainer_gpus: int = 0) -> list[str]:
     """Start ``config.n_servers`` servers on this machine and wait until they are healthy.
@@ -225,9 +314,11 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
         log = open(os.path.join(log_dir, f"server{i}.log"), "a")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         addresses.append(f"127.0.0.1:{port}")
+        _LAUNCHED[addresses[-1]] = _Launched(procs[-1], cmd, env, log)
 
     def _kill() -> None:
-        for p in procs:
+        _STOPPING.set()  # no restarts while the run shuts down
+        for p in [r.proc for r in _LAUNCHED.values()] + procs:
             if p.poll() is None:
                 p.terminate()
         for p in procs:
@@ -260,4 +351,8 @@ def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_di
         addresses = obj[0]
     engine = RemoteInferenceEngine(config, addresses)
     engine.initialize()
+    if not config.addresses and dist.get_rank() == 0 and config.max_server_restarts > 0:
+        supervisor = ServerSupervisor(engine, config)
+        engine.restart_hook = supervisor.claim
+        supervisor.start()
     return engine

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from arealite.api.engine import InferenceEngine, TrainEngine
 from arealite.api.io_struct import WeightUpdateMeta
-from arealite.engine.remote import ADAPTERS
+from arealite.engine.adapters import ADAPTERS
 from arealite.engine.weight_sync import WeightSyncError, broadcast_weights
 from arealite.rollout.executor import WorkflowExecutor
 
