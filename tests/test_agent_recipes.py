@@ -61,22 +61,27 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_tool_agent_recipe_resumes_after_sigkill_at_the_saved_step(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("name,extra", [
+    ("tool_agent_math", ["--config", os.path.join(REPO_ROOT, "recipes", "configs", "tool_agent_math.yaml")]),
+    ("ppo_math", []),  # the critic's weights and optimizer are in the checkpoint too
+    ("dpo_math", ["--mode", "online", "--reward_fn", "dpo_reward_fns:even_length"]),
+])
+def test_rl_recipe_resumes_after_sigkill_at_the_saved_step(tiny_model_dir, tmp_path, name, extra):
     """--recover.freq_steps 1 --recover.mode auto: the run is SIGKILLed (trainer, torchrun and the
     server) right after recover/step2 is written; the same command again resumes at step 2 and
-    trains steps 2, 3 only."""
+    trains steps 2, 3 only. Every RL recipe runs the same loop; three different ones here."""
     from arealite.utils.recover import list_checkpoints
 
-    recipe = os.path.join(REPO_ROOT, "recipes", "tool_agent_math.py")
-    args = ["--config", os.path.join(REPO_ROOT, "recipes", "configs", "tool_agent_math.yaml"),
-            "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--train_dataset.path", "arithmetic",
+    recipe = os.path.join(REPO_ROOT, "recipes", f"{name}.py")
+    args = [*extra, "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--train_dataset.path", "arithmetic",
             "--valid_dataset.path", "arithmetic", "--recover.freq_steps", "1", "--recover.mode", "auto",
             "--evaluator.at_end", "False", *SMALL]
     args[args.index("--total_train_steps") + 1] = "4"
-    out = tmp_path / "tool_agent_math" / "trial0"
+    out = tmp_path / name / "trial0"
     (tmp_path / "kill_after_save.py").write_text(KILL_AFTER_SAVE)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AFTER_STEP": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AFTER_STEP": "2",
+           "PYTHONPATH": os.path.join(REPO_ROOT, "tests") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     first = subprocess.run([*torchrun, str(tmp_path / "kill_after_save.py"), recipe, *args], cwd=str(tmp_path),
                            capture_output=True, text=True, timeout=600, env=env, start_new_session=True)
     assert first.returncode != 0, first.stdout[-3000:] + first.stderr[-3000:]  # killed, not finished
