@@ -111,7 +111,6 @@ class InferenceEngineConfig:
     request_retries: int = 3  # attempts per HTTP call
     setup_timeout: float = 300.0  # waiting for servers to become healthy [s]
     max_server_restarts: int = 3  # launched servers: restarts of one server that exits (0 = none) [restarts]
-    max_server_restarts: int = 3  # launched servers: restarts of one server that exits (0 = none) [restarts]
     queue_size: int = 0  # input/output queue bound (0 = 16 × max_concurrent_rollouts)
 
 
