@@ -208,9 +208,9 @@ def test_sync_weights_retries_once_then_raises(setup, monkeypatch):
     monkeypatch.setattr(wu, "push_weights", fail([]))  # no culprit (e.g. a restarted server): retried
     wu.sync_weights(actor, rollout, rollout, "", version=6)
     assert [c[0] for c in calls] == ["pause", "pause_generation", "meta", "exclude_servers", "meta",
-                                     "update_weights", "continue_generation", "set_version", "resume"]
+                                     "update_weights", "set_version", "continue_generation", "resume"]
     assert calls[3] == ("exclude_servers", [], "failed the weight update to version 6")
-    assert calls[5][1].version == 6 and calls[7] == ("set_version", 6)
+    assert calls[5][1].version == 6 and calls[6] == ("set_version", 6)  # set before the servers continue
 
 
 def test_exclude_servers_rejects_unknown_address(setup):

@@ -12,10 +12,11 @@ Order (``rollout.weight_sync``: disk | distributed):
    resubmits them; the paused servers hold them) — ``pause_generation``;
 3. every rank: push — disk: ``actor.save(meta.path)``; distributed: broadcast the full tensors
    bucket by bucket to the servers of ``meta.addresses``;
-4. rank 0: the servers load (disk) or confirm (distributed) ``meta.version``, then continue;
+4. rank 0: the servers load (disk) or confirm (distributed) ``meta.version``;
 5. every rank, after a barrier: the inference engine records the new version (the one owner of
-   the version on the trainer side; the executor's staleness rule reads it) and the executor
-   resumes.
+   the version on the trainer side; the executor's staleness rule reads it) — before the servers
+   continue, so that a reply without a version of its own (vLLM) is never tagged with the old one;
+6. rank 0, after a barrier: the servers continue; every rank: the executor resumes.
 
 A distributed push that fails raises :class:`~arealite.engine.weight_sync.WeightSyncError` on
 every rank; the servers it names as dead or hung are excluded for good and the push is retried
@@ -76,8 +77,12 @@ def sync_weights(actor: TrainEngine, rollout: InferenceEngine, executor: Workflo
                 raise
     if dist.get_rank() == 0:
         rollout.update_weights(meta)
-        rollout.continue_generation()
     dist.barrier()
+    # Before the servers continue: replies without a version of their own (vLLM) are tagged with
+    # this one, so a token of the new weights never carries the old version.
     rollout.set_version(version)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        rollout.continue_generation()
     if executor is not None:
         executor.resume()
