@@ -205,9 +205,12 @@ class Scheduler:
                 self._waiting = [r for r in self._waiting if r.future is not msg.future]
                 if self._staged is not None and self._staged.future is msg.future:
                     self._clear_staged()
-                for i in range(len(self._rows) - 1, -1, -1):
-                    if self._rows[i].future is msg.future:
-                        self._remove_row(i)
+                # the KV cache holds inference tensors: moving a row is an in-place update,
+                # allowed only in inference mode (messages are handled outside it)
+                with torch.inference_mode():
+                    for i in range(len(self._rows) - 1, -1, -1):
+                        if self._rows[i].future is msg.future:
+                            self._remove_row(i)
             case LoadTensors():
                 try:
                     n = load_named_tensors(self.model, msg.tensors)
