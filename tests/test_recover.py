@@ -244,3 +244,17 @@ def test_grpo_recipe_resumes_at_the_saved_step_and_version(tiny_model_dir, tmp_p
     resumed = torch.load(out / "recover" / "step3" / "trainer_state_rank0.pt", weights_only=False)
     assert resumed["step"] == 3 and resumed["stateful"]["rollout"]["returned"] == 12
     assert resumed["engines"]["actor"]["lr_scheduler"]["last_epoch"] == 3  # the schedule continued
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_names_the_folder(tmp_path):
+    """The writer fails with ENOSPC during the step-2 save: the error names the folder and the
+    kept checkpoint, the partial folder is gone, and step 1 loads back to its exact parameters."""
+    root = str(tmp_path / "recover")
+    out = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tests", "disk_full_drill.py"), root],
+                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "No space left on device" in r["message"]
+    assert os.path.join(root, ".tmp-step2") in r["message"] and os.path.join(root, "step1") in r["message"]
+    assert r["complete"] == [1] and r["loaded_step"] == 1 and r["params_restored"]
+    assert r["left"] == ["step1"]

@@ -209,6 +209,10 @@ def save_checkpoint(root: str, step: int, engines: dict[str, TrainEngine],
 
     Raises:
         ValueError: no engines, or a frozen one.
+        OSError: writing the new checkpoint failed (e.g. the disk is full): names the folder
+            and the previous complete checkpoint, which stays loadable; the partial folder is
+            removed. (With several ranks, a rank whose write failed raises here while the others
+            wait at the next barrier: the launcher's failure handling ends them.)
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -228,15 +232,24 @@ def save_checkpoint(root: str, step: int, engines: dict[str, TrainEngine],
     for name, engine in engines.items():
         model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
         sharded[name] = {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(sharded, checkpoint_id=tmp)
-    trainer_state = {
-        "step": step, "engines": {name: e.extra_state() for name, e in engines.items()}, "rng": rng_state(),
-        "stateful": {k: v.state_dict() for k, v in (stateful or {}).items()},
-    }
-    with open(os.path.join(tmp, f"trainer_state_rank{rank}.pt"), "wb") as f:
-        torch.save(trainer_state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        dcp.save(sharded, checkpoint_id=tmp)
+        trainer_state = {
+            "step": step, "engines": {name: e.extra_state() for name, e in engines.items()}, "rng": rng_state(),
+            "stateful": {k: v.state_dict() for k, v in (stateful or {}).items()},
+        }
+        with open(os.path.join(tmp, f"trainer_state_rank{rank}.pt"), "wb") as f:
+            torch.save(trainer_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:  # disk full, I/O error (DCP wraps them in CheckpointException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # free what was written; never loaded anyway
+        prev = list_checkpoints(root)
+        kept = f"the previous checkpoint {prev[-1][1]} is untouched" if prev else "no earlier checkpoint exists"
+        raise OSError(f"recover checkpoint step {step}: writing {tmp} failed ({type(e).__name__}: {e}); "
+                      f"{kept}; free space under {root} (or set recover.freq_steps 0)") from e
     dist.barrier()  # every rank's files are on disk
     if rank == 0:
         _write_marker(tmp, step, world)
