@@ -23,7 +23,8 @@ import sys
 import torch.distributed as dist
 
 from arealite.algorithms.dpo import DPO
-from arealite.api.config import DPOConfig, load_config
+from arealite.api.cli import load_config
+from arealite.api.config import DPOConfig
 from arealite.dataset.loader import load_rows
 from arealite.dataset.math_data import load_dataset
 from arealite.dataset.preference_data import PreferenceCollator, load_preference_dataset

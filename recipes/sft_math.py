@@ -18,7 +18,8 @@ import sys
 import torch.distributed as dist
 
 from arealite.algorithms.sft import SFT, evaluate_nll
-from arealite.api.config import SFTConfig, load_config
+from arealite.api.cli import load_config
+from arealite.api.config import SFTConfig
 from arealite.dataset.loader import load_rows
 from arealite.dataset.sft_data import SFTCollator, load_sft_dataset
 from arealite.engine.fsdp import init_distributed

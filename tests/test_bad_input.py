@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from arealite.api.config import (ConfigError, DatasetConfig, DPOConfig, GenerationConfig, GRPOConfig,
-                                 InferenceEngineConfig, MultiTurnGRPOConfig, PPOConfig, SFTConfig,
-                                 ToolAgentGRPOConfig, check_model_fits, load_config, validate_config)
+from arealite.api.cli import ConfigError, check_model_fits, load_config, validate_config
+from arealite.api.config import (DatasetConfig, DPOConfig, GenerationConfig, GRPOConfig, InferenceEngineConfig,
+                                 MultiTurnGRPOConfig, PPOConfig, SFTConfig, ToolAgentGRPOConfig)
 from arealite.dataset.math_data import load_dataset
 
 # ---------------------------------------------------------------------------------------------

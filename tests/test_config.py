@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from arealite.api.config import GRPOConfig, load_config
+from arealite.api.cli import load_config
+from arealite.api.config import GRPOConfig
 from conftest import REPO_ROOT
 
 

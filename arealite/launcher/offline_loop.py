@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from arealite.api.config import to_dict
+from arealite.api.cli import to_dict, validate_config
 from arealite.dataset.loader import EpochLoader, make_dataloader
 from arealite.engine.fsdp import FSDPEngine
 from arealite.utils.hf import load_tokenizer, resolve_model_path
@@ -38,6 +38,7 @@ def prepare_offline(config, rank: int) -> tuple[str, Any, "str | None"]:
 
     Returns: ``(model_path, tokenizer, recover_path or None)``.
     """
+    validate_config(config, world_size=dist.get_world_size())  # also for configs built in Python
     model_path = resolve_model_path(config.actor.path)
     recover_path = resolve_checkpoint(config.recover, os.path.join(config.output_dir, "recover"))
     if rank == 0:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import yaml
 
 from arealite.algorithms.grpo import DynamicSampling
-from arealite.api.config import load_config, to_dict
+from arealite.api.cli import check_model_fits, load_config, to_dict, validate_config
 from arealite.api.workflow import RolloutWorkflow
 from arealite.dataset.loader import EpochLoader, load_rows, make_dataloader
 from arealite.dataset.math_data import load_dataset
@@ -89,6 +89,16 @@ def rollout_stats(batch: dict, version: int, prev_train_end: float, executor: Wo
     return stats
 
 
+def reward_stats(workflow) -> dict[str, float]:
+    """The reward worker's counters summed over the ranks (``reward/calls``, ``reward/timeout``,
+    ``reward/crash``, ``reward/memory``, ``reward/non_finite``, ...: failures score 0); {} when
+    the workflow has no :class:`~arealite.reward.worker.RewardWorker`. Collective."""
+    worker = getattr(workflow, "reward_worker", None)
+    snapshot = worker.stats_snapshot() if worker is not None else {}
+    names = sorted(snapshot)
+    return dict(zip(names, all_reduce([float(snapshot[k]) for k in names]))) if names else {}
+
+
 def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflow,
            dataset_loader: Callable = load_dataset, actor_temperature: float | None = None) -> dict[str, float]:
     """Train ``config.total_train_steps`` asynchronous RL steps; see the module docstring.
@@ -108,16 +118,16 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         ``aevaluate`` keys), ``steps``, ``trained_samples``, ``trained_samples_per_s``.
 
     Raises:
-        ValueError: batch sizes not divisible by the ranks, bad dataset or recover fields —
-            before any model is loaded or file written.
+        ValueError (``ConfigError``): a bad config field (ranges, paths, batch sizes not
+            divisible by the ranks, truncated sampling for RL, ``max_new_tokens`` beyond the
+            model's context, no chat template), a bad dataset or recover field — before any
+            model is loaded or file written.
     """
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     random.seed(config.seed + rank)
     torch.manual_seed(config.seed)
-    if config.train_dataset.batch_size % world or config.rollout.consumer_batch_size % world:
-        raise ValueError(f"train_dataset.batch_size={config.train_dataset.batch_size} and rollout.consumer_batch_size="
-                         f"{config.rollout.consumer_batch_size} must be divisible by the {world} trainer ranks")
+    validate_config(config, world_size=world)  # also for configs built in Python (no load_config)
 
     # Data, model path, tokenizer, the workflow's own checks (cheap, before anything expensive or written).
     train_rows = load_rows("train_dataset", config.train_dataset, "train", config.seed, dataset_loader)
@@ -127,6 +137,7 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     recover_dir = os.path.join(out, "recover")
     recover_path = resolve_checkpoint(config.recover, recover_dir)  # recover.mode; None = start fresh
     tokenizer = load_tokenizer(model_path)
+    check_model_fits(model_path, config.gconfig, tokenizer)  # chat template, max_new_tokens vs context
     base_workflow = build_workflow(config, tokenizer, os.path.join(out, "rollouts") if rank == 0 else None)
     # DAPO dynamic sampling: groups with all-equal rewards are dropped and replaced by new ones
     # (the run stops with an error after 8 batches' worth of such groups in a row).
@@ -201,6 +212,7 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
 
         # 4. Logging: reward, staleness, overlap evidence, time split.
         stats.update(rollout_stats(batch, version, prev_train_end, executor, base_workflow.stat_keys))
+        stats.update(reward_stats(base_workflow))
         trained_samples += int(stats["rollout/n_samples"])
         stats.update({
             "time/gen_wait_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,

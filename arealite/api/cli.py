@@ -1,0 +1,436 @@
+"""Configs from YAML files and the command line, validated before anything runs.
+
+* :func:`load_config`: ``[--config FILE.yaml] [--a.b.c VALUE ...]`` → a config dataclass of
+  :mod:`arealite.api.config` (YAML replaces the defaults, tyro applies the flags), then
+  :func:`validate_config`.
+* :func:`validate_config`: every field's type and range, paths, addresses and the rules between
+  fields; :func:`check_model_fits`: the model-dependent checks (chat template, context length).
+* Every error is a :class:`ConfigError` (a ``ValueError``) whose message starts with the dotted
+  field (``gconfig.n_samples: ...``) and says what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import types
+import typing
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from arealite.api.config import (DatasetConfig, DPOAlgoConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig,
+                                 MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
+                                 ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from a nested dict (e.g. parsed YAML), recursing into fields.
+
+    Raises:
+        ConfigError (a ValueError): an unknown key (names the dotted path and lists the valid
+            keys), a value of the wrong type (names the path, the expected type and the value),
+            or a section that is not a mapping.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(where or "config", f"expected a mapping of keys (a YAML section), got "
+                          f"{type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(path, f"unknown config key; valid keys here: {sorted(names)}")
+        sub = _dataclass_of(hints[key])
+        if sub is not None and value is not None:
+            kwargs[key] = from_dict(sub, value, path)
+        else:
+            kwargs[key] = check_type(path, hints[key], value)
+    return cls(**kwargs)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def load_config(cls: type[T], argv: list[str] | None = None) -> T:
+    """Parse ``[--config FILE.yaml] [--a.b.c VALUE ...]`` into dataclass ``cls``.
+
+    The YAML file (optional) replaces the dataclass defaults; tyro then applies the remaining
+    command-line flags on top (``--actor.optimizer.lr 1e-5``). ``--help`` lists every field.
+
+    Raises:
+        FileNotFoundError: ``--config`` names a missing file.
+        ConfigError (a ValueError): the YAML has an unknown key or a wrongly typed value, or
+            :func:`validate_config` rejects a value (each names the dotted field and the fix).
+        SystemExit: tyro rejects a flag (it prints the valid ones).
+    """
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = cls()
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config: missing value; pass a YAML file path")
+        path = argv[i + 1]
+        del argv[i : i + 2]
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--config: file not found: {path}")
+        with open(path) as f:
+            default = from_dict(cls, yaml.safe_load(f) or {})
+    description = f"{(cls.__doc__ or '').strip()}\n\nLoad defaults from YAML with --config FILE.yaml; flags override it."
+    config = tyro.cli(cls, default=default, args=argv, description=description, config=(tyro.conf.FlagConversionOff,))
+    validate_config(config)
+    return config
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as a plain nested dict (for logging and ``config.yaml`` next to outputs)."""
+    return dataclasses.asdict(config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation (bad input → one clear error naming the dotted field and the fix, before any model
+# is loaded or file written)
+# ------------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A bad config value. ``field`` is its dotted path (``gconfig.n_samples``); the message
+    starts with it and says what is accepted."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field = field_path
+        super().__init__(f"{field_path}: {message}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def check_type(path: str, tp: Any, value: Any) -> Any:
+    """``value`` checked against the annotation ``tp`` of field ``path`` (YAML values): bool,
+    int (not bool), float (an int is widened; a numeric string such as YAML's ``1e-5`` is
+    converted), str, ``Literal[...]``, ``list[X]`` and ``X | None``. Other annotations pass.
+
+    Returns: the value (converted for float fields). Raises: :class:`ConfigError`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return check_type(path, arg, value)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(path, f"expected {' or '.join(_type_name(a) for a in args)}, got "
+                                f"{type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(path, f"{value!r} is not one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, f"expected a list, got {type(value).__name__} {value!r} (YAML: [a, b])")
+        return [check_type(f"{path}[{i}]", args[0], v) for i, v in enumerate(value)] if args else value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(path, f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
+            except ValueError:
+                pass
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(path, f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {type(value).__name__} {value!r} (quote it in YAML)")
+        return value
+    return value
+
+
+def _number(obj: Any, prefix: str, name: str, *, integer: bool = False, gt: float | None = None,
+            ge: float | None = None, lt: float | None = None, le: float | None = None,
+            optional: bool = False, fix: str = "") -> None:
+    """Check the numeric field ``obj.name`` (path ``prefix + name``) against the bounds."""
+    value, path = getattr(obj, name), prefix + name
+    if value is None and optional:
+        return
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
+        raise ConfigError(path, f"expected {'an integer' if integer else 'a finite number'}"
+                                f"{' or None' if optional else ''}, got {value!r}{'; ' + fix if fix else ''}")
+    bounds = [(gt, lambda v, b: v > b, ">"), (ge, lambda v, b: v >= b, ">="),
+              (lt, lambda v, b: v < b, "<"), (le, lambda v, b: v <= b, "<=")]
+    for bound, test, sign in bounds:
+        if bound is not None and not test(value, bound):
+            rule = " and ".join(f"{s} {b}" for b, _, s in bounds if b is not None)
+            raise ConfigError(path, f"must be {rule}, got {value!r}{'; ' + fix if fix else ''}")
+
+
+def _check_generation(g: "GenerationConfig", p: str) -> None:
+    _number(g, p, "n_samples", integer=True, ge=1, fix="completions per prompt (the GRPO group size)")
+    _number(g, p, "max_new_tokens", integer=True, ge=1, fix="generated tokens per completion")
+    if g.greedy:
+        _number(g, p, "temperature", ge=0)
+    else:
+        _number(g, p, "temperature", gt=0, fix="use greedy: true for temperature 0")
+    _number(g, p, "top_p", gt=0, le=1, fix="1.0 disables nucleus sampling")
+    _number(g, p, "top_k", integer=True, ge=-1, fix="-1 disables top-k")
+    for i, t in enumerate(g.stop_token_ids):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ConfigError(f"{p}stop_token_ids[{i}]", f"token ids are integers >= 0, got {t!r}")
+
+
+def check_untruncated_sampling(g: "GenerationConfig", prefix: str = "gconfig.") -> None:
+    """Refuse truncated sampling (``top_p < 1`` or ``top_k > 0``) for RL training.
+
+    The servers report each token's logprob under the full-vocabulary (temperature-scaled)
+    distribution, and the trainer recomputes the same full distribution; the token was drawn
+    from the truncated one, so the decoupled-PPO behaviour weights π_prox/π_behav and the
+    policy gradient would be off by the renormalisation of the kept mass. Evaluation (greedy,
+    or any sampling whose logprobs are not trained on) may still truncate.
+
+    Raises: :class:`ConfigError` naming ``gconfig.top_p`` / ``gconfig.top_k``."""
+    if g.top_p < 1.0:
+        raise ConfigError(prefix + "top_p", f"top_p={g.top_p} < 1 truncates sampling, but the behaviour "
+                          "logprobs (and the trainer's) are full-vocabulary ones, so the PPO importance "
+                          "weights would be wrong; set top_p 1.0 for RL training (evaluation may truncate)")
+    if g.top_k > 0:
+        raise ConfigError(prefix + "top_k", f"top_k={g.top_k} truncates sampling, but the behaviour "
+                          "logprobs (and the trainer's) are full-vocabulary ones, so the PPO importance "
+                          "weights would be wrong; set top_k -1 for RL training (evaluation may truncate)")
+
+
+def _check_optimizer(o: "OptimizerConfig", p: str) -> None:
+    _number(o, p, "lr", gt=0, fix="e.g. 1e-5")
+    _number(o, p, "weight_decay", ge=0)
+    _number(o, p, "beta1", ge=0, lt=1)
+    _number(o, p, "beta2", ge=0, lt=1)
+    _number(o, p, "eps", gt=0)
+    _number(o, p, "gradient_clipping", ge=0, fix="0 disables clipping")
+    _number(o, p, "warmup_steps", integer=True, ge=0)
+    _number(o, p, "min_lr_ratio", ge=0, le=1)
+    _number(o, p, "max_consecutive_skips", integer=True, ge=0, fix="0 = never stop")
+
+
+def _check_mb_spec(m: "MicroBatchSpec", p: str) -> None:
+    _number(m, p, "max_tokens_per_mb", integer=True, ge=1)
+    _number(m, p, "logits_chunk_size", integer=True, ge=1)
+
+
+def _check_train_engine(t: "TrainEngineConfig", p: str) -> None:
+    _number(t, p, "num_threads", integer=True, ge=0, fix="0 = the cores the servers leave")
+    if t.path and not os.path.isfile(os.path.join(t.path, "config.json")):
+        what = "does not exist" if not os.path.exists(t.path) else "has no config.json"
+        raise ConfigError(p + "path", f"{t.path!r} {what}: pass an HF model folder (config.json, weights, "
+                                      "tokenizer) or \"\" for the embedded default model")
+
+
+def _check_inference(r: "InferenceEngineConfig", p: str) -> None:
+    for i, addr in enumerate(r.addresses):
+        host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"{p}addresses[{i}]", f"{addr!r} is not host:port (e.g. 127.0.0.1:30000)")
+    _number(r, p, "weight_sync_bucket_mb", gt=0)
+    _number(r, p, "weight_sync_timeout", gt=0)
+    _number(r, p, "tp_size", integer=True, ge=1)
+    _number(r, p, "n_servers", integer=True, ge=1, fix="servers to launch when no addresses are given")
+    _number(r, p, "server_threads", integer=True, ge=1)
+    _number(r, p, "server_max_batch_size", integer=True, ge=1)
+    _number(r, p, "consumer_batch_size", integer=True, ge=1, fix="trajectories per training step")
+    _number(r, p, "max_concurrent_rollouts", integer=True, ge=0, fix="0 = consumer_batch_size")
+    _number(r, p, "max_head_offpolicyness", integer=True, ge=0,
+            fix="η is how many versions a trained sample may lag (0 = synchronous)")
+    _number(r, p, "request_timeout", gt=0)
+    _number(r, p, "request_retries", integer=True, ge=1)
+    _number(r, p, "setup_timeout", gt=0)
+    _number(r, p, "queue_size", integer=True, ge=0, fix="0 = 16 × max_concurrent_rollouts")
+
+
+def _check_dataset(d: "DatasetConfig", p: str) -> None:
+    _number(d, p, "size", integer=True, ge=1, optional=True, fix="None = all rows")
+    _number(d, p, "batch_size", integer=True, ge=1)
+    if d.path not in (None, "arithmetic"):
+        if not isinstance(d.path, str) or not d.path.endswith(".jsonl"):
+            raise ConfigError(p + "path", f"{d.path!r}: pass a .jsonl file, or null/'arithmetic' for the embedded task")
+        if not os.path.isfile(d.path):
+            raise ConfigError(p + "path", f"dataset file {d.path!r} does not exist")
+    if isinstance(d, SFTDatasetConfig):
+        _number(d, p, "max_length", integer=True, ge=2, fix="prompt + response tokens kept per row")
+
+
+def _check_grpo_algo(a: "GRPOAlgoConfig", p: str) -> None:
+    _number(a, p, "eps_clip", gt=0)
+    _number(a, p, "eps_clip_high", gt=0, optional=True)
+    _number(a, p, "kl_coef", ge=0, fix="0 = no reference model")
+    _number(a, p, "adv_std_floor", ge=0)
+    _number(a, p, "n_minibatches", integer=True, ge=1)
+    _number(a, p, "behav_imp_weight_cap", gt=1, optional=True, fix="None = no cap")
+    _number(a, p, "c_clip", gt=1, optional=True, fix="None = no dual clip")
+    _number(a, p, "overlong_penalty", integer=True, ge=0, fix="0 = off")
+    if isinstance(a, (PPOAlgoConfig, ReinforcePPAlgoConfig)):
+        _number(a, p, "gamma", ge=0, le=1)
+    if isinstance(a, PPOAlgoConfig):
+        _number(a, p, "lam", ge=0, le=1)
+        _number(a, p, "value_eps_clip", gt=0, optional=True)
+
+
+def _check_dpo_algo(a: "DPOAlgoConfig", p: str) -> None:
+    _number(a, p, "beta", gt=0)
+    _number(a, p, "label_smoothing", ge=0, lt=0.5)
+
+
+def _check_saver(s: "SaverConfig", p: str) -> None:
+    _number(s, p, "freq_steps", integer=True, ge=0, fix="0 = only at the end")
+
+
+def _check_recover(r: "RecoverConfig", p: str) -> None:
+    _number(r, p, "freq_steps", integer=True, ge=0, fix="0 = never")
+    _number(r, p, "keep_last", integer=True, ge=1)
+
+
+def _check_multi_turn(m: "MultiTurnConfig", p: str) -> None:
+    _number(m, p, "max_turns", integer=True, ge=1)
+    _number(m, p, "turn_discount", gt=0, le=1)
+    _number(m, p, "max_context_tokens", integer=True, ge=2)
+
+
+def _check_sandbox(s: "SandboxConfig", p: str) -> None:
+    try:
+        s.validate()
+    except ValueError as e:  # its messages say "sandbox.<field>"
+        msg = str(e)
+        name = msg.split(" ", 1)[0].split("=", 1)[0].removeprefix("sandbox.") if msg.startswith("sandbox.") else ""
+        raise ConfigError(p + name if name else p.rstrip("."), msg) from None
+
+
+_CHECKS: list[tuple[type, Any]] = []  # (class, fn(obj, "prefix.")); filled below
+
+
+def _check_top_level(c: Any, world_size: int | None) -> None:
+    _number(c, "", "seed", integer=True)
+    _number(c, "", "total_train_steps", integer=True, ge=1)
+    for name in ("experiment_name", "trial_name"):
+        v = getattr(c, name, None)
+        if v is not None and (not isinstance(v, str) or not v or "/" in v or v in (".", "..")):
+            raise ConfigError(name, f"{v!r}: use a non-empty name without '/' (it is a folder name)")
+    if isinstance(getattr(c, "eval_freq_steps", None), int):
+        _number(c, "", "eval_freq_steps", integer=True, ge=0)
+    gconfig, algo, rollout = getattr(c, "gconfig", None), getattr(c, "algo", None), getattr(c, "rollout", None)
+    if isinstance(gconfig, GenerationConfig) and isinstance(algo, GRPOAlgoConfig):
+        check_untruncated_sampling(gconfig)  # importance weights need the sampled distribution
+    agent = getattr(c, "agent", None)
+    if isinstance(agent, MultiTurnConfig) and isinstance(gconfig, GenerationConfig):
+        if agent.max_context_tokens <= gconfig.max_new_tokens:
+            raise ConfigError("agent.max_context_tokens", f"{agent.max_context_tokens} must exceed "
+                              f"gconfig.max_new_tokens={gconfig.max_new_tokens} (room for a prompt)")
+    if world_size is not None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        checks = [("train_dataset.batch_size", getattr(getattr(c, "train_dataset", None), "batch_size", None))]
+        if isinstance(rollout, InferenceEngineConfig):
+            checks.append(("rollout.consumer_batch_size", rollout.consumer_batch_size))
+        for path, value in checks:
+            if isinstance(value, int) and value % world_size:
+                raise ConfigError(path, f"{value} is not divisible by the {world_size} trainer ranks; use a "
+                                        f"multiple of {world_size} or launch {value} or a divisor of it ranks")
+
+
+def validate_config(config: Any, world_size: int | None = None) -> None:
+    """Check every field of ``config`` (any dataclass of this module, usually a recipe's
+    top-level config) and the rules between them; :func:`load_config` calls it, and so should
+    any code that builds a config in Python before running it.
+
+    Per field: integer/number types, ranges (sizes >= 1, timeouts > 0, η >= 0, probabilities in
+    range, ...), ``actor.path`` / dataset paths that exist, ``host:port`` addresses. Across
+    fields: RL algorithms refuse truncated sampling (:func:`check_untruncated_sampling`), a
+    multi-turn context that cannot hold one turn, and — with ``world_size`` — batch sizes not
+    divisible by the trainer ranks. Cheap: no model, no network, no writes.
+
+    Raises:
+        ConfigError (a ValueError): the first bad value, naming its dotted field and the fix.
+    """
+    if not dataclasses.is_dataclass(config):
+        raise TypeError(f"validate_config expects a config dataclass, got {type(config).__name__}")
+
+    def walk(obj: Any, prefix: str) -> None:
+        for cls, fn in _CHECKS:
+            if isinstance(obj, cls):
+                fn(obj, prefix)
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                walk(v, f"{prefix}{f.name}.")
+
+    walk(config, "")
+    if hasattr(config, "total_train_steps"):
+        _check_top_level(config, world_size)
+
+
+def check_model_fits(model_path: str, gconfig: "GenerationConfig", tokenizer: Any = None,
+                     prompt_tokens: int = 0, need_chat_template: bool = True,
+                     path_field: str = "actor.path") -> None:
+    """Model-dependent checks, cheap (config.json and the tokenizer only, no weights):
+
+    * ``tokenizer`` (if given) has a chat template when ``need_chat_template`` (the math and
+      agent workflows format prompts with it);
+    * ``prompt_tokens + gconfig.max_new_tokens`` fits the model's ``max_position_embeddings``.
+
+    Raises:
+        ConfigError: naming ``actor.path`` (no chat template) or ``gconfig.max_new_tokens``.
+    """
+    if tokenizer is not None and need_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(path_field, f"the tokenizer of {model_path!r} has no chat template; use an "
+                                      "instruct/chat model, or add a chat_template to its tokenizer_config.json")
+    cfg_file = os.path.join(model_path, "config.json")
+    try:
+        import json
+
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(path_field, f"cannot read {cfg_file}: {e}") from None
+    cfg = cfg.get("text_config", cfg)
+    limit = cfg.get("max_position_embeddings")
+    if isinstance(limit, int) and prompt_tokens + gconfig.max_new_tokens > limit:
+        raise ConfigError("gconfig.max_new_tokens", f"{gconfig.max_new_tokens} (+ {prompt_tokens} prompt tokens) "
+                          f"exceeds the model's max_position_embeddings={limit}; use at most "
+                          f"{max(limit - prompt_tokens, 0)}")
+
+
+_CHECKS += [
+    (GenerationConfig, _check_generation), (OptimizerConfig, _check_optimizer), (MicroBatchSpec, _check_mb_spec),
+    (TrainEngineConfig, _check_train_engine), (InferenceEngineConfig, _check_inference),
+    (DatasetConfig, _check_dataset), (GRPOAlgoConfig, _check_grpo_algo), (DPOAlgoConfig, _check_dpo_algo),
+    (SaverConfig, _check_saver), (RecoverConfig, _check_recover), (MultiTurnConfig, _check_multi_turn),
+    (SandboxConfig, _check_sandbox),
+]
