@@ -151,13 +151,7 @@ def server(models, tmp_path_factory):
         local.subprocess.Popen = real_popen
     print(f"vLLM server ready in {time.perf_counter() - t0:.1f} s at {addr}")
     yield addr
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    local.stop_processes(procs, timeout=30)
 
 
 @pytest.fixture()

@@ -280,6 +280,18 @@ class ServerSupervisor(threading.Thread):
         logger.warning("server %s restarted and caught up in %.1f s", addr, time.monotonic() - start)
 
 
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """SIGTERM every process still running, then SIGKILL those not gone after ``timeout`` [s]."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1,
                    trainer_gpus: int = 0) -> list[str]:
     """Start ``config.n_servers`` servers on this machine and wait until they are healthy.
@@ -318,14 +330,7 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
 
     def _kill() -> None:
         _STOPPING.set()  # no restarts while the run shuts down
-        for p in [r.proc for r in _LAUNCHED.values()] + procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes([r.proc for r in _LAUNCHED.values()] + procs, timeout=10)
 
     atexit.register(_kill)
     try:
