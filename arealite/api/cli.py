@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import os
 import sys
 import types
@@ -22,7 +23,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from arealite.api.config import (DatasetConfig, DPOAlgoConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig,
-                                 MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
+                                 LoRAConfig, MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
 
 
@@ -255,6 +256,35 @@ def _check_train_engine(t: "TrainEngineConfig", p: str) -> None:
                                       "tokenizer) or \"\" for the embedded default model")
 
 
+LORA_INITS = ("true", "false", "gaussian")  # PEFT init_lora_weights values that keep the base weights W0
+
+
+def _check_lora(c: "LoRAConfig", p: str) -> None:
+    """``actor.lora`` / ``critic.lora``: rank ≥ 0, alpha > 0, dropout in [0, 1), target module
+    names (identifier suffixes such as ``q_proj`` or ``self_attn.q_proj``, or ``all-linear``);
+    whether they exist in the model is checked from its config.json before the weights load
+    (:func:`arealite.engine.lora.check_target_modules`)."""
+    _number(c, p, "rank", integer=True, ge=0, fix="0 = no LoRA (full fine-tuning), e.g. 16")
+    if not c.rank:
+        return
+    _number(c, p, "alpha", gt=0, fix="e.g. 2 x rank")
+    _number(c, p, "dropout", ge=0, lt=1)
+    t = c.target_modules
+    if not isinstance(t, list) or not t or not all(isinstance(m, str) for m in t):
+        raise ConfigError(p + "target_modules", f"{t!r}: a non-empty list of module names, e.g. [q_proj, v_proj], "
+                                                "or [all-linear]")
+    for i, m in enumerate(t):
+        if m == "all-linear":
+            if len(t) > 1:
+                raise ConfigError(p + "target_modules", "all-linear already covers every linear layer; pass it alone")
+        elif not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", m):
+            raise ConfigError(f"{p}target_modules[{i}]", f"{m!r} is not a module name (e.g. q_proj, mlp.down_proj)")
+    if str(c.init_lora_weights).lower() not in LORA_INITS:
+        raise ConfigError(p + "init_lora_weights", f"{c.init_lora_weights!r}: use one of {list(LORA_INITS)} "
+                          "(inits that rewrite the base weights, e.g. pissa, are not supported: the reference "
+                          "model and the servers' merge use the unchanged base weights)")
+
+
 def _check_inference(r: "InferenceEngineConfig", p: str) -> None:
     for i, addr in enumerate(r.addresses):
         host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
@@ -432,5 +462,5 @@ _CHECKS += [
     (TrainEngineConfig, _check_train_engine), (InferenceEngineConfig, _check_inference),
     (DatasetConfig, _check_dataset), (GRPOAlgoConfig, _check_grpo_algo), (DPOAlgoConfig, _check_dpo_algo),
     (SaverConfig, _check_saver), (RecoverConfig, _check_recover), (MultiTurnConfig, _check_multi_turn),
-    (SandboxConfig, _check_sandbox),
+    (SandboxConfig, _check_sandbox), (LoRAConfig, _check_lora),
 ]

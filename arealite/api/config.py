@@ -70,6 +70,20 @@ class MicroBatchSpec:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (PEFT ``LoraConfig``) on a train engine; see docs/engine.md "LoRA"."""
+
+    rank: int = 0  # LoRA rank r (0 = off: full fine-tuning)
+    alpha: float = 16.0  # scaling numerator: the adapter adds (alpha / rank) · B·A to each target weight
+    dropout: float = 0.0  # dropout on the adapter input (train mode only)
+    # module names (suffixes) that get adapters, or ["all-linear"] (every linear layer but the LM head)
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    init_lora_weights: str = "true"  # PEFT init: true (B = 0, A Kaiming) | gaussian | pissa | olora
+    merged_final: bool = True  # final/ and checkpoints/stepN also get the merged full model (AutoModelForCausalLM)
+
+
+@dataclass
 class TrainEngineConfig:
     """The FSDP2 policy (actor) or reference model."""
 
@@ -82,6 +96,7 @@ class TrainEngineConfig:
     mixed_precision: Literal["none", "bf16"] = "none"  # bf16: bf16 compute, fp32 grad reduce (GPU)
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params/grads/optimizer on CPU
     attn_implementation: str = "auto"  # HF attention; auto = flash_attention_2 on GPU with bf16 if installed, else sdpa
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train LoRA adapters only (PEFT)
 
 
 @dataclass
