@@ -1,74 +1,296 @@
-"""Held-out accuracy of a model on a math dataset (greedy decoding).
+"""Evaluation of a model on math data sets: pass@1 over samples, pass@k, maj@k, a table and a jsonl.
 
 Command line (any HF folder, e.g. a checkpoint written by a recipe)::
 
-    python -m arealite.evaluate --model-path outputs/grpo_math/trial0/final --size 200
-    python -m arealite.evaluate                       # the embedded default model
-    python -m arealite.evaluate --dataset ../shared/data/gsm8k/test.jsonl --max-new-tokens 256
+    python -m arealite.evaluate                                   # embedded task, greedy, HF generate
+    python -m arealite.evaluate --dataset gsm8k --size 50 --max-new-tokens 256
+    python -m arealite.evaluate --dataset gsm8k,math500 --size 200 --n-samples 8 --temperature 0.7 \\
+        --k 1,8 --max-new-tokens 512 --output eval.jsonl
+    python -m arealite.evaluate --model-path outputs/grpo_math/trial0/final --launch   # our server
+    python -m arealite.evaluate --addresses 127.0.0.1:30000 --backend vllm            # running servers
 
-Prints ``accuracy X/N = p`` and a JSON line. Uses HF ``generate`` (left padding, greedy), so it is
-independent of our server and trainer; ``RLVRWorkflow.aevaluate`` does the same through a
-running inference engine inside a recipe.
+``--dataset``: ``arithmetic`` (the embedded test split), ``gsm8k`` (GSM8K test), ``math500``
+(MATH-500), or any GSM8K/MATH-format ``.jsonl`` path; several, comma separated. Generation goes
+through HF ``generate`` (default: no server; left padding, ``num_return_sequences = n``), through
+running servers (``--addresses host:port,...``, arealite's
+:class:`~arealite.engine.remote.RemoteInferenceEngine`, any backend it speaks), or through our
+server launched for the run (``--launch``, :func:`arealite.launcher.local.launch_servers`).
+
+Metrics (:mod:`arealite.utils.metrics`): ``pass@1`` = mean accuracy over all samples;
+``pass@k`` = the unbiased estimator of Chen et al. 2021 (Eq. 1), ``1 - C(n-c,k)/C(n,k)``;
+``maj@k`` = majority vote over the first k samples' extracted final answers. A sample is correct
+when :func:`arealite.reward.math.math_reward` gives it 1. Prints one table row per data set and a
+JSON line; ``--output file.jsonl`` gets one record per problem (question, answer, completions,
+per-sample correctness and extracted answers).
+
+:class:`BackgroundEvaluator` runs an evaluation coroutine in its own thread, so the RL loop
+(:mod:`arealite.launcher.rl_loop`, ``evaluator.freq_steps``) never waits for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import threading
+import time
+from typing import Any, Awaitable, Callable
 
 import torch
 
+from arealite.api.config import GenerationConfig, InferenceEngineConfig
+from arealite.api.io_struct import ModelRequest
 from arealite.dataset.math_data import load_dataset
 from arealite.reward.math import math_reward
 from arealite.utils.hf import tokenize_chat
+from arealite.utils.metrics import extract_final_answer, summarize
+
+_SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "..", "shared", "data")
+DATASETS = {  # names accepted by --dataset (paths relative to the repository's ../shared/data)
+    "gsm8k": os.path.join(_SHARED_DATA, "gsm8k", "test.jsonl"),
+    "math500": os.path.join(_SHARED_DATA, "math", "math500.jsonl"),
+}
+
+
+def resolve_dataset(name: str) -> str | None:
+    """A ``--dataset`` entry → a path for :func:`load_dataset` (None = embedded arithmetic task).
+
+    Raises:
+        FileNotFoundError: a named set whose file is missing (names the path).
+    """
+    if name in ("arithmetic", "", None):
+        return None
+    if name in DATASETS:
+        path = os.path.normpath(DATASETS[name])
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--dataset {name}: {path} not found; pass the .jsonl path instead")
+        return path
+    return name
 
 
 @torch.no_grad()
+def generate_hf(model_path: str, prompts: list[list[int]], n_samples: int, gconfig: GenerationConfig,
+                batch_size: int = 32, seed: int = 0) -> list[list[str]]:
+    """``n_samples`` completions (decoded text) of each prompt (token ids) with HF ``generate``.
+
+    Greedy when ``gconfig.greedy`` or ``temperature == 0``, else sampling at
+    ``gconfig.temperature`` / ``top_p`` (no top-k unless ``gconfig.top_k > 0``). Returns
+    ``[len(prompts)][n_samples]`` strings."""
+    from transformers import AutoModelForCausalLM
+
+    from arealite.utils.hf import load_tokenizer
+
+    torch.manual_seed(seed)
+    tok = load_tokenizer(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    greedy = gconfig.greedy or gconfig.temperature == 0
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=gconfig.temperature,
+                                                   top_p=gconfig.top_p, top_k=max(gconfig.top_k, 0))
+    per_call = max(1, batch_size // (1 if greedy else n_samples))
+    out: list[list[str]] = []
+    for i in range(0, len(prompts), per_call):
+        chunk = prompts[i : i + per_call]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gconfig.max_new_tokens,
+                              num_return_sequences=1 if greedy else n_samples, pad_token_id=tok.pad_token_id, **kw)
+        texts = [tok.decode(s, skip_special_tokens=True) for s in seqs[:, width:]]
+        reps = 1 if greedy else n_samples
+        for j in range(len(chunk)):
+            out.append(texts[j * reps : (j + 1) * reps] * (n_samples if greedy else 1))
+    return out
+
+
+async def agenerate_engine(engine, tokenizer, prompts: list[list[int]], n_samples: int,
+                           gconfig: GenerationConfig, concurrency: int = 64) -> list[list[str]]:
+    """Like :func:`generate_hf` through an :class:`~arealite.api.engine.InferenceEngine`
+    (``agenerate``, at most ``concurrency`` requests in flight; the samples of one prompt share a
+    ``rid`` so they go to one server)."""
+    sem = asyncio.Semaphore(concurrency)
+    gconfig = GenerationConfig(**{**gconfig.__dict__, "n_samples": 1})
+
+    async def one(prompt, rid):
+        async with sem:
+            resp = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=gconfig, rid=rid))
+        return tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+
+    try:
+        texts = await asyncio.gather(*[one(p, f"eval-{i}-{time.time_ns()}") for i, p in enumerate(prompts)
+                                       for _ in range(n_samples)])
+    finally:
+        await engine.aclose()
+    return [list(texts[i * n_samples : (i + 1) * n_samples]) for i in range(len(prompts))]
+
+
+def score(rows: list[dict], completions: list[list[str]],
+          reward_fn: Callable[[str, str], float] = math_reward) -> list[dict]:
+    """Per-problem records: ``question``, ``answer``, ``completions``, ``correct`` (reward > 0.5
+    per sample) and ``answers`` (:func:`~arealite.utils.metrics.extract_final_answer`)."""
+    return [{"question": r.get("question", r["messages"][-1]["content"]), "answer": r["answer"], "completions": c,
+             "correct": [reward_fn(t, r["answer"]) > 0.5 for t in c],
+             "answers": [extract_final_answer(t) for t in c]} for r, c in zip(rows, completions)]
+
+
 def evaluate_hf(model_path: str, rows: list[dict], max_new_tokens: int = 24, batch_size: int = 32) -> float:
     """Greedy accuracy of ``model_path`` on ``rows`` (``messages``/``answer``) with HF generate.
 
     Returns: fraction in [0, 1] of rows whose completion gets ``math_reward`` 1.
     """
-    from transformers import AutoModelForCausalLM
-
     from arealite.utils.hf import load_tokenizer
 
     tok = load_tokenizer(model_path)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    correct = 0
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i : i + batch_size]
-        prompts = [tokenize_chat(tok, r["messages"]) for r in chunk]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-        for r, seq in zip(chunk, out[:, width:]):
-            correct += math_reward(tok.decode(seq, skip_special_tokens=True), r["answer"]) > 0.5
-    return correct / max(1, len(rows))
+    prompts = [tokenize_chat(tok, r["messages"]) for r in rows]
+    texts = generate_hf(model_path, prompts, 1, GenerationConfig(max_new_tokens=max_new_tokens, greedy=True), batch_size)
+    recs = score(rows, texts)
+    return sum(r["correct"][0] for r in recs) / max(1, len(rows))
+
+
+class BackgroundEvaluator:
+    """Runs one evaluation at a time in a daemon thread (its own asyncio loop), so the caller never
+    waits: :meth:`start` returns at once (False when one is still running), :meth:`poll` hands back
+    a finished result once as ``{"eval/<key>": value, "eval/version": v, "eval/time_s": s}``.
+
+    Args:
+        make_coro: ``fn() -> awaitable dict[str, float]``, e.g.
+            ``lambda: workflow.aevaluate(engine, rows)``; an exception is logged as the result
+            ``{"eval/failed": 1.0}``.
+    """
+
+    def __init__(self, make_coro: Callable[[], Awaitable[dict[str, float]]]):
+        self.make_coro = make_coro
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, float] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, version: int) -> bool:
+        """Evaluate the weights at trainer ``version`` now, in the background."""
+        if self.busy:
+            return False
+
+        def run():
+            t0 = time.time()
+            try:
+                res = {f"eval/{k}": float(v) for k, v in asyncio.run(self.make_coro()).items()}
+            except Exception as e:  # never kill training because of an evaluation
+                print(f"in-loop evaluation at version {version} failed: {e!r}", flush=True)
+                res = {"eval/failed": 1.0}
+            self._result = {**res, "eval/version": float(version), "eval/time_s": time.time() - t0}
+
+        self._result = None
+        self._thread = threading.Thread(target=run, name="arealite-eval", daemon=True)
+        self._thread.start()
+        return True
+
+    def poll(self, wait: float | None = 0.0) -> dict[str, float]:
+        """The finished evaluation's stats (once), or {} while it runs (``wait`` s at most, None =
+        until it ends)."""
+        if self._thread is None:
+            return {}
+        self._thread.join(wait)
+        if self._thread.is_alive():
+            return {}
+        self._thread, res = None, self._result or {}
+        return res
+
+
+def format_table(results: dict[str, dict[str, float]]) -> str:
+    """A plain-text table: one row per data set, one column per metric (percent)."""
+    keys = sorted({k for m in results.values() for k in m if "@" in k}, key=lambda k: (k.split("@")[0], int(k.split("@")[1])))
+    head = ["dataset", "problems", "samples", *keys]
+    rows = [[name, f"{m['n_problems']:.0f}", f"{m['n_samples']:.0f}", *(f"{100 * m[k]:.1f}" for k in keys)]
+            for name, m in results.items()]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="", help="HF model folder (default: embedded SmolLM2-135M-Instruct); "
+                   "with --addresses only its tokenizer is used")
+    p.add_argument("--dataset", default="arithmetic", help="arithmetic | gsm8k | math500 | a .jsonl path; comma separated")
+    p.add_argument("--size", type=int, default=200, help="problems per data set (seeded shuffle; 0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-samples", type=int, default=1, help="completions per problem")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--k", default="", help="k values of pass@k / maj@k, comma separated (default: 1 and n-samples)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--batch-size", type=int, default=32, help="HF generate: sequences per generate call")
+    p.add_argument("--addresses", default="", help="host:port of running servers, comma separated")
+    p.add_argument("--backend", default="local", help="protocol of --addresses / --launch servers: local | sglang | vllm")
+    p.add_argument("--launch", action="store_true", help="launch our server(s) for this evaluation")
+    p.add_argument("--n-servers", type=int, default=1, help="--launch: servers to start")
+    p.add_argument("--concurrency", type=int, default=64, help="servers: requests in flight")
+    p.add_argument("--output", default="", help="per-problem jsonl")
+    p.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = all cores)")
+    args = p.parse_args(argv)
+    if args.n_samples < 1:
+        p.error(f"--n-samples {args.n_samples}: must be >= 1")
+    if args.temperature < 0:
+        p.error(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    args.ks = sorted({int(k) for k in args.k.split(",") if k} or {1, args.n_samples})
+    if not all(1 <= k <= args.n_samples for k in args.ks):
+        p.error(f"--k {args.k}: every k must be in 1..--n-samples ({args.n_samples})")
+    if args.addresses and args.launch:
+        p.error("--addresses and --launch exclude each other")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from arealite.utils.hf import resolve_model_path
+    """Evaluate (see the module docstring); returns ``{dataset: metrics}`` plus ``model_path``."""
+    from arealite.utils.hf import load_tokenizer, resolve_model_path
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default="", help="HF model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dataset", default=None, help="jsonl (GSM8K/MATH format); default: embedded arithmetic test split")
-    p.add_argument("--size", type=int, default=200, help="number of held-out problems")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = all cores)")
-    args = p.parse_args(argv)
+    args = _parse_args(argv)
+    datasets = {name: resolve_dataset(name) for name in args.dataset.split(",")}  # missing files fail here
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     path = resolve_model_path(args.model_path)
-    rows = load_dataset(args.dataset, "test", args.size, args.seed)
-    acc = evaluate_hf(path, rows, args.max_new_tokens)
-    n = len(rows)
-    print(f"accuracy {round(acc * n)}/{n} = {acc:.3f}  ({path})")
-    result = {"model_path": path, "accuracy": acc, "n": n}
+    tok = load_tokenizer(path)
+    gconfig = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_p=args.top_p, greedy=args.temperature == 0)
+    engine = None
+    if args.addresses or args.launch:
+        from arealite.engine.remote import RemoteInferenceEngine
+
+        cfg = InferenceEngineConfig(backend=args.backend, n_servers=args.n_servers,
+                                    server_threads=args.num_threads or os.cpu_count() or 1)
+        addrs = [a for a in args.addresses.split(",") if a]
+        if args.launch:
+            from arealite.launcher.local import launch_servers
+
+            addrs = launch_servers(cfg, path, os.path.join(os.path.dirname(os.path.abspath(args.output or "x")),
+                                                           "eval_logs"), args.seed)
+        engine = RemoteInferenceEngine(cfg, addrs)
+        engine.initialize()
+    results, out_f = {}, open(args.output, "w") if args.output else None
+    for name, dpath in datasets.items():
+        rows = load_dataset(dpath, "test", args.size or None, args.seed)
+        prompts = [tokenize_chat(tok, r["messages"]) for r in rows]
+        t0 = time.time()
+        if engine is None:
+            texts = generate_hf(path, prompts, args.n_samples, gconfig, args.batch_size, args.seed)
+        else:
+            texts = asyncio.run(agenerate_engine(engine, tok, prompts, args.n_samples, gconfig, args.concurrency))
+        records = score(rows, texts)
+        results[name] = {**summarize(records, args.ks), "time_s": time.time() - t0}
+        if out_f:
+            for rec in records:
+                out_f.write(json.dumps({"dataset": name, **rec}) + "\n")
+    if out_f:
+        out_f.close()
+    print(format_table(results))
+    print(f"model {path}; {args.n_samples} samples per problem, temperature {args.temperature}, "
+          f"max_new_tokens {args.max_new_tokens}" + (f"; per-problem records in {args.output}" if args.output else ""))
+    if engine is not None:
+        engine.destroy()
+    result = {"model_path": path, **results}
     print(json.dumps(result))
     return result
 

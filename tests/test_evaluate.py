@@ -1,0 +1,109 @@
+"""Evaluation: pass@k / maj@k on hand-made samples, and the ``arealite.evaluate`` CLI end to end on
+a tiny random model (HF generate and our launched server)."""
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from arealite.utils.metrics import extract_final_answer, majority_correct, pass_at_k, summarize
+
+
+def test_pass_at_k_equals_the_closed_form_on_hand_made_samples():
+    # n = 5, c = 2, k = 2: 1 - C(3,2)/C(5,2) = 1 - 3/10 = 0.7
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    # n = 10, c = 3, k = 5: 1 - C(7,5)/C(10,5) = 1 - 21/252 = 11/12
+    assert pass_at_k(10, 3, 5) == pytest.approx(11 / 12)
+    # pass@1 is the fraction correct
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+    # n - c < k: every k-subset holds a correct sample; no correct sample: 0
+    assert pass_at_k(4, 3, 2) == 1.0 and pass_at_k(6, 0, 3) == 0.0
+    for n, c, k in [(20, 7, 4), (100, 13, 10), (8, 5, 8)]:  # the stable product = math.comb form
+        assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), rel=1e-12)
+    with pytest.raises(ValueError, match="n-samples"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="correct samples"):
+        pass_at_k(4, 5, 1)
+
+
+def test_extract_final_answer_canonicalises_for_voting():
+    assert extract_final_answer("so the answer is \\boxed{\\frac{1}{2}}.") == "1/2"
+    assert extract_final_answer("x = 0.5") == "1/2"
+    assert extract_final_answer("total 1,250 dollars") == "1250"
+    assert extract_final_answer("\\boxed{x^{2}+1} then \\boxed{ 2.50 }") == "5/2"
+    assert extract_final_answer("\\boxed{(1, 2)}") == "(1,2)"
+    assert extract_final_answer("no number here") is None
+
+
+def test_majority_vote_on_hand_made_answers():
+    answers = ["3", "4", "4", None, "3", "3"]
+    correct = [True, False, False, False, True, True]
+    assert majority_correct(answers, correct, 6) is True  # "3" x3 beats "4" x2
+    assert majority_correct(answers, correct, 3) is False  # first 3: "4" x2 beats "3" x1
+    assert majority_correct(["4", "3"], [False, True], 2) is False  # tie: the first seen ("4") wins
+    assert majority_correct([None, None], [False, False], 2) is False
+    with pytest.raises(ValueError, match="k=3"):
+        majority_correct(["1", "2"], [True, False], 3)
+
+
+def test_summarize_means_over_problems():
+    recs = [{"correct": [True, False, False, False], "answers": ["1", "2", "2", "3"]},  # pass@2 = 1 - 3/6
+            {"correct": [True, True, False, False], "answers": ["5", "5", "6", None]}]  # pass@2 = 1 - 1/6
+    m = summarize(recs, [2, 4])
+    assert m["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert m["pass@2"] == pytest.approx((0.5 + 5 / 6) / 2)
+    assert m["pass@4"] == pytest.approx(1.0)
+    assert m["maj@2"] == pytest.approx(1.0)  # problem 1: tie "1"/"2" → "1" (right); problem 2: "5" x2 (right)
+    assert m["maj@4"] == pytest.approx(0.5)  # problem 1: "2" x2 (wrong); problem 2: "5" x2 (right)
+    assert m["n_problems"] == 2 and m["n_samples"] == 4
+
+
+def _cli(tmp_path, model, *extra):
+    from arealite.evaluate import main
+
+    out = tmp_path / "eval.jsonl"
+    res = main(["--model-path", model, "--size", "3", "--max-new-tokens", "4", "--output", str(out),
+                "--num-threads", "1", *extra])
+    return res, [json.loads(line) for line in open(out)]
+
+
+def test_cli_hf_generate_writes_table_and_jsonl(tiny_model_dir, tmp_path, capsys):
+    res, recs = _cli(tmp_path, tiny_model_dir, "--dataset", "arithmetic", "--n-samples", "4",
+                     "--temperature", "1.0", "--k", "1,2,4")
+    printed = capsys.readouterr().out
+    assert "pass@1" in printed and "maj@4" in printed and "arithmetic" in printed
+    assert len(recs) == 3 and all(len(r["completions"]) == 4 and len(r["correct"]) == 4 for r in recs)
+    m = res["arithmetic"]
+    # the printed metrics are those of the written samples
+    assert m["pass@1"] == pytest.approx(sum(sum(r["correct"]) for r in recs) / 12)
+    assert m["pass@4"] == pytest.approx(sum(any(r["correct"]) for r in recs) / 3)
+
+
+def test_cli_through_a_launched_server_matches_greedy_hf(tiny_model_dir, tmp_path):
+    hf, _ = _cli(tmp_path, tiny_model_dir, "--dataset", "arithmetic")
+    served, recs = _cli(tmp_path, tiny_model_dir, "--dataset", "arithmetic", "--launch", "--n-samples", "2")
+    assert all(r["completions"][0] == r["completions"][1] for r in recs)  # greedy: identical samples
+    assert served["arithmetic"]["pass@1"] == pytest.approx(hf["arithmetic"]["pass@1"])
+
+
+def test_cli_refuses_bad_k_before_loading_anything(tmp_path):
+    from arealite.evaluate import main
+
+    with pytest.raises(SystemExit):
+        main(["--n-samples", "2", "--k", "4", "--model-path", str(tmp_path / "missing")])
+
+
+def test_background_evaluator_returns_once_with_the_version():
+    from arealite.evaluate import BackgroundEvaluator
+
+    async def slow():
+        await asyncio.sleep(0.2)
+        return {"accuracy": 0.25}
+
+    ev = BackgroundEvaluator(slow)
+    assert ev.start(3) and not ev.start(4)  # one at a time
+    assert ev.poll() == {}  # still running: the caller does not wait
+    res = ev.poll(wait=None)
+    assert res["eval/accuracy"] == 0.25 and res["eval/version"] == 3.0 and res["eval/time_s"] >= 0.2
+    assert ev.poll() == {}
