@@ -31,6 +31,8 @@
   with the norm reported, constant/linear/cosine schedules with linear warmup. A non-finite loss
   or gradient norm skips the update (parameters and optimizer state untouched);
   ``optimizer.max_consecutive_skips`` skips in a row raise.
+* LoRA (``lora.rank > 0``): PEFT adapters are injected before sharding and only they train
+  (:mod:`arealite.engine.lora`: reference = adapters disabled, adapter/merged saving, sync).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
+from arealite.engine import lora
 from arealite.engine.lm_head import chunked_logprobs_entropy
 from arealite.utils.data import trim_padding
 
@@ -202,6 +205,7 @@ class FSDPEngine(TrainEngine):
     # Only tokens with loss_mask = 1 get an output (the actor needs no prompt logprobs); the
     # critic returns values at every real position.
     _outputs_on_loss_tokens_only = True
+    _lora_modules_to_save: tuple[str, ...] = ()  # LoRA: modules trained in full (critic: the value head)
 
     def __init__(self, config: TrainEngineConfig, temperature: float = 1.0, trainable: bool = True):
         _check_config(config)
@@ -210,6 +214,7 @@ class FSDPEngine(TrainEngine):
         self.optimizer = None
         self.lr_scheduler = None
         self.tokenizer = None
+        self.peft = None  # the PeftModel wrapper when config.lora.rank > 0 (arealite.engine.lora)
         self._consecutive_skips = 0
         self.n_skipped_steps = 0  # total optimizer steps skipped for a non-finite loss/grad norm
 
@@ -230,7 +235,12 @@ class FSDPEngine(TrainEngine):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)
+        use_lora = self.config.lora.rank > 0 and self.trainable  # a frozen engine needs no adapters
+        if use_lora:  # target modules checked on a meta model, before the weights load
+            lora.check_target_modules(model_path, self.config.lora, critic=bool(self._lora_modules_to_save))
         model = self._load_model(model_path, getattr(torch, self.config.dtype))
+        if use_lora:  # PEFT adapters before sharding; only they (and a value head) train
+            self.peft, model = lora.wrap_model(model, self.config.lora, self._lora_modules_to_save)
         if self.config.gradient_checkpointing:  # transformers ≥ 5.x renamed the method
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         if not self.config.cpu_offload:
@@ -260,6 +270,8 @@ class FSDPEngine(TrainEngine):
         oc = self.config.optimizer
         decay, no_decay = [], []
         for name, p in model.named_parameters():
+            if not p.requires_grad:  # LoRA: the frozen base weights get no optimizer state
+                continue
             (no_decay if p.dim() < 2 or "norm" in name.lower() else decay).append(p)
         fused = torch.cuda.is_available() and not self.config.cpu_offload
         self.optimizer = torch.optim.AdamW(
@@ -437,7 +449,11 @@ class FSDPEngine(TrainEngine):
 
     # -- saving -------------------------------------------------------------------
     def save(self, path: str) -> None:
-        """HF folder: config, safetensors, generation config, tokenizer. Collective."""
+        """HF folder: config, safetensors, generation config, tokenizer. Collective. LoRA: the
+        PEFT adapter folder ``path/adapter`` plus, with ``lora.merged_final``, the merged model
+        in ``path`` (:func:`arealite.engine.lora.save`)."""
+        if self.peft is not None:
+            return lora.save(self, path, merged=self.config.lora.merged_final)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             from transformers.utils import logging as hf_logging
@@ -479,6 +495,7 @@ class FSDPCriticEngine(FSDPEngine):
     """
 
     _outputs_on_loss_tokens_only = False
+    _lora_modules_to_save = ("score",)
 
     def __init__(self, config: TrainEngineConfig):
         super().__init__(config, temperature=1.0, trainable=True)
