@@ -209,6 +209,7 @@ class EvalConfig:
 
     at_start: bool = True  # evaluate the initial weights before training
     at_end: bool = True  # evaluate the final weights after training
+    freq_steps: int = 0  # also every N steps, in the background against the servers (0 = never) [steps]
 
 
 @dataclass

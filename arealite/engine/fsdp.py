@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import socket
+import time
 from typing import Callable
 
 import torch
@@ -52,6 +53,7 @@ from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
 from arealite.engine import lora
 from arealite.engine.lm_head import chunked_logprobs_entropy
+from arealite.utils import trace
 from arealite.utils.data import trim_padding
 
 logger = logging.getLogger("arealite.fsdp")
@@ -396,15 +398,19 @@ class FSDPEngine(TrainEngine):
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         n_tokens = 0
         for (mb, dummy), w in zip(mbs, weights):
-            out = self._forward_mb(mb)
+            with trace.span("forward"):  # the timeline's trainer track (arealite/utils/trace.py)
+                out = self._forward_mb(mb)
             n_tokens += 0 if dummy else int(mb["attention_mask"].sum())
             if w == 0:  # dummy, or no loss tokens: loss_fn is not called (its mean would be 0/0);
-                (out.sum() * 0.0).backward()  # FSDP still needs the backward collectives
+                with trace.span("backward"):
+                    (out.sum() * 0.0).backward()  # FSDP still needs the backward collectives
                 continue
             loss = loss_fn(out, mb)
             scale = w / float(total)
-            (loss * (scale * self.world_size)).backward()
+            with trace.span("backward"):
+                (loss * (scale * self.world_size)).backward()
             loss_sum += loss.detach().double() * scale
+        opt_start = time.time()
         dist.all_reduce(loss_sum)
         clip = self.config.optimizer.gradient_clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
@@ -428,6 +434,7 @@ class FSDPEngine(TrainEngine):
             self._consecutive_skips = 0
             self.optimizer.step()
             self.lr_scheduler.step()
+        trace.complete("optimizer", opt_start, time.time())
         return {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
                 "skipped_total": float(self.n_skipped_steps), "n_microbatches": float(len(mbs)),
                 "n_tokens": float(n_tokens)}
@@ -442,7 +449,8 @@ class FSDPEngine(TrainEngine):
         mbs = self._microbatches(batch)
         groups = split_microbatches(lengths, len(mbs))
         for (mb, dummy), rows in zip(mbs, groups):
-            lp = self._forward_mb(mb).float().cpu()
+            with trace.span("forward (no grad)"):
+                lp = self._forward_mb(mb).float().cpu()
             if not dummy:
                 out[torch.tensor(rows), : lp.shape[1]] = lp
         return out

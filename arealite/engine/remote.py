@@ -43,6 +43,7 @@ import aiohttp
 from arealite.api.config import InferenceEngineConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+from arealite.utils import trace
 
 logger = logging.getLogger("arealite.remote")
 
@@ -285,9 +286,12 @@ class RemoteInferenceEngine(InferenceEngine):
             params = gconfig.sampling_params()
             params["max_new_tokens"] = budget - resp.output_len
             payload = self.adapter.build_request(resp.input_tokens + resp.output_tokens, params)
+            seg_start = time.time()
             result = await self._generate_segment(req.rid, payload)
             tokens, logprobs, finish, version = self.adapter.parse_response(result)
             version = self.get_version() if version is None else version
+            trace.lane_complete(f"server {self._rid_to_addr.get(req.rid, '?')}", "interrupted" if finish == "abort"
+                                else "generate", seg_start, time.time(), {"tokens": len(tokens), "version": version})
             resp.output_tokens += tokens
             resp.output_logprobs += logprobs
             resp.output_versions += [version] * len(tokens)

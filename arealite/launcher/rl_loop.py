@@ -42,11 +42,13 @@ from arealite.api.workflow import RolloutWorkflow
 from arealite.dataset.loader import EpochLoader, load_rows, make_dataloader
 from arealite.dataset.math_data import load_dataset
 from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.evaluate import BackgroundEvaluator
 from arealite.launcher.local import make_inference_engine, trainer_threads
 from arealite.launcher.weight_update import sync_weights
 from arealite.rollout.executor import WorkflowExecutor
 from arealite.utils.hf import load_tokenizer, resolve_model_path
 from arealite.utils.recover import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint, should_save
+from arealite.utils import trace
 from arealite.utils.stats_logger import StatsLogger
 
 BuildAlgorithm = Callable[[Any, FSDPEngine, "FSDPEngine | None"], Any]
@@ -128,6 +130,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     random.seed(config.seed + rank)
     torch.manual_seed(config.seed)
     validate_config(config, world_size=world)  # also for configs built in Python (no load_config)
+    if getattr(config.evaluator, "freq_steps", 0) < 0:
+        raise ValueError(f"evaluator.freq_steps={config.evaluator.freq_steps}: must be >= 0 (0 = never)")
 
     # Data, model path, tokenizer, the workflow's own checks (cheap, before anything expensive or written).
     train_rows = load_rows("train_dataset", config.train_dataset, "train", config.seed, dataset_loader)
@@ -173,6 +177,13 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         ref.initialize(model_path)
     algo = build_algorithm(config, actor, ref)
     stats_logger = StatsLogger(out, rank, config.total_train_steps)
+    # Timeline (trace.json, arealite/utils/trace.py): this rank's spans, its servers' requests, the gate.
+    tracer = trace.install(trace.Tracer("trainer", f"rank {rank}") if trace.enabled_by_env() else None)
+    executor.staleness.trace_process = f"rollout rank {rank}"
+    trace_path = os.path.join(out, "trace.json" if rank == 0 else f"trace_rank{rank}.json")
+    # In-loop evaluation every evaluator.freq_steps steps: rank 0, a background thread, never waited for.
+    bg_eval = (BackgroundEvaluator(lambda: base_workflow.aevaluate(rollout, valid_rows))
+               if rank == 0 and config.evaluator.freq_steps else None)
     weight_dir = os.path.join(out, "weight_update")
 
     def evaluate(when: str) -> dict[str, float]:  # greedy held-out episodes through the servers (rank 0)
@@ -209,6 +220,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         # 3. Weight sync: pause → push → servers load → version bump → resume.
         sync_weights(actor, rollout, executor, weight_dir, version + 1)
         t3 = time.time()
+        for name, a, b in (("rollout-wait", t0, t1), ("train", t1, t2), ("weight-sync", t2, t3)):
+            trace.complete(name, a, b, {"step": step})
 
         # 4. Logging: reward, staleness, overlap evidence, time split.
         stats.update(rollout_stats(batch, version, prev_train_end, executor, base_workflow.stat_keys))
@@ -224,11 +237,19 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         prev_train_end = t2
         if config.saver.freq_steps and (step + 1) % config.saver.freq_steps == 0:
             actor.save(os.path.join(out, "checkpoints", f"step{step + 1}"))
+        if bg_eval is not None:  # a finished evaluation is logged now, with the version it evaluated
+            stats.update(bg_eval.poll())
+            if (step + 1) % config.evaluator.freq_steps == 0:
+                bg_eval.start(version + 1)
         stats_logger.commit(step, stats)
+        if tracer is not None:
+            tracer.maybe_save(trace_path)  # periodic flush: a crashed run leaves a readable trace
         if should_save(config.recover, step + 1):  # exact-resume state (a crash before it redoes this step)
             save_checkpoint(recover_dir, step + 1, engines, stateful, config.recover.keep_last)
 
     loop_time = time.time() - run_start
+    if bg_eval is not None:  # the last in-loop evaluation, if one is still running
+        summary.update({f"{k}_inloop_last": v for k, v in bg_eval.poll(wait=600).items()})
     actor.save(os.path.join(out, "final"))
     if rank == 0:
         shutil.rmtree(weight_dir, ignore_errors=True)  # the last weight-sync copy (= final/)
@@ -237,6 +258,14 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     summary.update(steps=config.total_train_steps, trained_samples=trained_samples,
                    trained_samples_per_s=trained_samples / max(loop_time, 1e-9))
     stats_logger.summary(config.total_train_steps, {k: float(v) for k, v in summary.items()})
+    if tracer is not None:  # each rank's file; rank 0 merges them into trace.json
+        tracer.save(trace_path)
+        if world > 1:
+            dist.barrier()
+            if rank == 0:
+                trace.merge_files([trace_path] + [os.path.join(out, f"trace_rank{r}.json") for r in range(1, world)],
+                                  trace_path)
+        trace.install(None)
     stats_logger.close()
     executor.destroy()
     rollout.destroy()

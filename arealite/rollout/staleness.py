@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 
 from arealite.api.io_struct import RolloutStat
+from arealite.utils import trace
 
 
 class StalenessManager:
@@ -42,13 +43,19 @@ class StalenessManager:
         self.eta = max_head_offpolicyness
         self.stat = RolloutStat()
         self._lock = threading.Lock()
+        self._gate: tuple[bool, int] | None = None
+        self.trace_process = "rollout"  # track group of the gate in the trace (the executor names its rank)
 
     def capacity(self, version: int) -> int:
         """How many more episodes may start now at trainer version ``version``."""
         with self._lock:
             s = self.stat
             staleness_room = (self.eta + version + 1) * self.batch_size - (s.accepted + s.running)
-            return min(self.max_concurrent - s.running, staleness_room)
+            gate = (staleness_room > 0, s.running)
+        if gate != self._gate:  # the timeline's gate track: open/closed and episodes in flight
+            self._gate = gate
+            trace.counter("staleness gate", {"open": int(gate[0]), "running": gate[1]}, process=self.trace_process)
+        return min(self.max_concurrent - gate[1], staleness_room)
 
     def on_start(self) -> None:
         with self._lock:
