@@ -25,6 +25,7 @@ import yaml
 from arealite.api.config import (DatasetConfig, DPOAlgoConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig,
                                  LoRAConfig, MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
+from arealite.api.config import LauncherConfig
 
 
 # ------------------------------------------------------------------------------------------------
@@ -363,6 +364,24 @@ def _check_sandbox(s: "SandboxConfig", p: str) -> None:
         raise ConfigError(p + name if name else p.rstrip("."), msg) from None
 
 
+def _check_launcher(c: "LauncherConfig", p: str) -> None:
+    for name, fix in (("n_nodes", "nodes of the job"), ("trainer_nodes", "nodes that run trainer ranks"),
+                      ("trainer_ranks", "the trainer's world size"), ("trainer_cpus", "CPUs per trainer rank")):
+        _number(c, p, name, integer=True, ge=1, fix=fix)
+    for name in ("trainer_gpus", "server_gpus", "max_restarts"):
+        _number(c, p, name, integer=True, ge=0)
+    _number(c, p, "placement_timeout", gt=0)
+    if c.trainer_nodes > c.n_nodes:
+        raise ConfigError(p + "trainer_nodes", f"{c.trainer_nodes} > {p}n_nodes={c.n_nodes}: the trainer "
+                          "ranks cannot use more nodes than the job has")
+    if c.trainer_ranks % c.trainer_nodes:
+        raise ConfigError(p + "trainer_ranks", f"{c.trainer_ranks} ranks do not split evenly over "
+                          f"{p}trainer_nodes={c.trainer_nodes} nodes; use a multiple of {c.trainer_nodes}")
+    for i, arg in enumerate(c.slurm_args):
+        if not isinstance(arg, str) or not arg.startswith("-") or "\n" in arg:
+            raise ConfigError(f"{p}slurm_args[{i}]", f"{arg!r} is not an sbatch option (e.g. --account=rl)")
+
+
 _CHECKS: list[tuple[type, Any]] = []  # (class, fn(obj, "prefix.")); filled below
 
 
@@ -383,6 +402,12 @@ def _check_top_level(c: Any, world_size: int | None) -> None:
         if agent.max_context_tokens <= gconfig.max_new_tokens:
             raise ConfigError("agent.max_context_tokens", f"{agent.max_context_tokens} must exceed "
                               f"gconfig.max_new_tokens={gconfig.max_new_tokens} (room for a prompt)")
+    launcher, recover = getattr(c, "launcher", None), getattr(c, "recover", None)
+    if isinstance(launcher, LauncherConfig) and launcher.max_restarts and isinstance(recover, RecoverConfig):
+        if recover.mode != "auto" or not recover.freq_steps:
+            raise ConfigError("launcher.max_restarts", f"{launcher.max_restarts} restarts need --recover.mode auto "
+                              f"and --recover.freq_steps N > 0 (got mode {recover.mode!r}, freq_steps "
+                              f"{recover.freq_steps}): a restarted job resumes from the newest recover checkpoint")
     if world_size is not None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -462,5 +487,5 @@ _CHECKS += [
     (TrainEngineConfig, _check_train_engine), (InferenceEngineConfig, _check_inference),
     (DatasetConfig, _check_dataset), (GRPOAlgoConfig, _check_grpo_algo), (DPOAlgoConfig, _check_dpo_algo),
     (SaverConfig, _check_saver), (RecoverConfig, _check_recover), (MultiTurnConfig, _check_multi_turn),
-    (SandboxConfig, _check_sandbox), (LoRAConfig, _check_lora),
+    (SandboxConfig, _check_sandbox), (LoRAConfig, _check_lora), (LauncherConfig, _check_launcher),
 ]

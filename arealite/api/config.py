@@ -213,6 +213,31 @@ class EvalConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """Where the processes of a run go (docs/cluster.md). ``local``: ``torchrun`` on this machine,
+    servers launched by trainer rank 0 (``arealite/launcher/local.py``). ``ray`` / ``slurm``:
+    ``python -m arealite.launcher.ray|slurm RECIPE [flags]`` places ``rollout.n_servers`` servers
+    (``rollout.server_threads`` CPUs and ``server_gpus`` GPUs each) and ``trainer_ranks`` trainer
+    ranks (``trainer_cpus`` CPUs and ``trainer_gpus`` GPUs each, spread evenly over
+    ``trainer_nodes`` nodes) on the cluster; checked against what the cluster has before anything
+    starts."""
+
+    type: Literal["local", "ray", "slurm"] = "local"  # set by the launcher module that runs the recipe
+    n_nodes: int = 1  # nodes of the job; servers use the n_nodes − trainer_nodes others (all when equal)
+    trainer_nodes: int = 1  # nodes that run trainer ranks (trainer_ranks / trainer_nodes per node)
+    trainer_ranks: int = 1  # torch.distributed world size of the trainer
+    trainer_cpus: int = 1  # CPUs reserved per trainer rank (its torch threads unless actor.num_threads is set)
+    trainer_gpus: int = 0  # GPUs per trainer rank (0 on CPU; NCCL when > 0)
+    server_gpus: int = 0  # GPUs per inference server (= rollout.tp_size for sglang/vllm on GPU)
+    max_restarts: int = 0  # job restarts after a trainer rank dies (needs recover.mode auto) [restarts]
+    ray_address: str = ""  # Ray cluster to join ("" = RAY_ADDRESS / a cluster started here / a new local one)
+    slurm_partition: str = ""  # sbatch --partition ("" = the default partition)
+    slurm_time: str = ""  # sbatch --time, e.g. "4:00:00" ("" = the partition's limit)
+    slurm_args: list[str] = field(default_factory=list)  # extra #SBATCH lines, e.g. ["--account=rl", "--qos=high"]
+    placement_timeout: float = 60.0  # fail when the cluster cannot place every process in this long [s]
+
+
+@dataclass
 class GRPOConfig:
     """Top-level config of the GRPO math recipe."""
 
@@ -230,6 +255,7 @@ class GRPOConfig:
     saver: SaverConfig = field(default_factory=SaverConfig)
     evaluator: EvalConfig = field(default_factory=EvalConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     @property
     def output_dir(self) -> str:

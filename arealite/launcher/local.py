@@ -104,13 +104,15 @@ def check_backend_installed(backend: str) -> None:
             "or use rollout.backend=local")
 
 
-def server_command(config: InferenceEngineConfig, model_path: str, port: int, seed: int) -> list[str]:
-    """The argv of one server for ``config.backend`` on ``127.0.0.1:port``.
+def server_command(config: InferenceEngineConfig, model_path: str, port: int, seed: int,
+                   host: str = "127.0.0.1") -> list[str]:
+    """The argv of one server for ``config.backend`` on ``host:port`` (a cluster launcher passes
+    the node's address; vLLM's dev endpoints are then reachable from the cluster network).
 
     Raises:
         ValueError: unknown backend.
     """
-    host = ["--host", "127.0.0.1", "--port", str(port)]
+    host = ["--host", host, "--port", str(port)]
     if config.backend == "local":
         return [sys.executable, "-m", "arealite.engine.server", "--model-path", model_path, *host,
                 "--num-threads", str(config.server_threads),
@@ -267,17 +269,106 @@ class ServerSupervisor(threading.Thread):
                      rec.proc.returncode, rec.restarts, self.config.max_server_restarts)
         rec.proc = subprocess.Popen(rec.cmd, stdout=rec.log, stderr=subprocess.STDOUT, env=rec.env)
         wait_healthy([addr], self.config.setup_timeout)
-        with engine.sync_lock:  # no weight sync is rewriting the folder meanwhile
-            if engine.last_disk_update is not None and engine.get_version() > 0:
-                path, version = engine.last_disk_update
-                reply = post_control(engine.adapter, addr, engine.adapter.disk_update(path, version),
-                                     self.config.request_timeout, self.config.request_retries)
-                logger.warning("restarted server %s loaded %s (version %d): %s", addr, path, version, reply)
-            elif engine.get_version() > 0:  # distributed: the next push brings it up to date
-                logger.warning("restarted server %s joins the next weight update", addr)
-                return
-            engine.readmit(addr)
-        logger.warning("server %s restarted and caught up in %.1f s", addr, time.monotonic() - start)
+        if catch_up(engine, addr, self.config):
+            logger.warning("server %s restarted and caught up in %.1f s", addr, time.monotonic() - start)
+
+
+def catch_up(engine: RemoteInferenceEngine, addr: str, config: InferenceEngineConfig) -> bool:
+    """Bring restarted server ``addr`` (healthy again, holding the model it started from) to the
+    trainer's weights and readmit it. Under ``engine.sync_lock``, so never while a weight sync
+    rewrites the folder. Disk sync: it loads the folder of the last update at its version;
+    distributed: it joins the next push (readmitted then). At version 0 it is readmitted at once.
+
+    Returns: True if readmitted now, False if it waits for the next push.
+
+    Raises:
+        ServerError: the server failed to load the weights.
+    """
+    with engine.sync_lock:
+        if engine.last_disk_update is not None and engine.get_version() > 0:
+            path, version = engine.last_disk_update
+            reply = post_control(engine.adapter, addr, engine.adapter.disk_update(path, version),
+                                 config.request_timeout, config.request_retries)
+            logger.warning("restarted server %s loaded %s (version %d): %s", addr, path, version, reply)
+        elif engine.get_version() > 0:  # distributed: the next push brings it up to date
+            logger.warning("restarted server %s joins the next weight update", addr)
+            return False
+        engine.readmit(addr)
+    return True
+
+
+class ServerWatcher(threading.Thread):
+    """Trainer rank 0, servers given by ``rollout.addresses`` (started by a cluster launcher,
+    which restarts them, or by hand): a server that refuses connections is treated as
+    restarting — the client sends it nothing and skips it in pauses and weight loads — and when
+    it answers ``/health`` again it is caught up (:func:`catch_up`: current weights and version)
+    before it takes requests. A server not back within ``rollout.setup_timeout`` is excluded
+    for good. A server that answers but fails a call is left to the client's own rules.
+    """
+
+    def __init__(self, engine: RemoteInferenceEngine, config: InferenceEngineConfig, poll_s: float = 1.0):
+        super().__init__(name="arealite-server-watcher", daemon=True)
+        self.engine, self.config, self.poll_s = engine, config, poll_s
+        self.down_since: dict[str, float] = {}
+        self.awaiting_push: set[str] = set()  # distributed sync: caught up by the next push
+        self.stopped = threading.Event()
+
+    def _refused(self, addr: str) -> bool:
+        """True when nothing listens at ``addr`` (a timeout is not a death: the server may be busy)."""
+        host, _, port = addr.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=5):
+                return False
+        except (ConnectionRefusedError, ConnectionResetError):
+            return True
+        except OSError:
+            return False
+
+    def claim(self, addr: str) -> bool:
+        """The client's ``restart_hook``: True (and ``addr`` marked restarting) when ``addr``
+        failed a call because nothing listens there any more."""
+        if addr in self.engine.restarting:
+            return True
+        if self.stopped.is_set() or not self._refused(addr):
+            return False
+        self._down(addr)
+        return True
+
+    def _down(self, addr: str) -> None:
+        logger.error("server %s stopped answering; waiting up to %.0f s (rollout.setup_timeout) for its restart",
+                     addr, self.config.setup_timeout)
+        self.down_since[addr] = time.monotonic()
+        self.engine.restarting.add(addr)
+        self.engine.mark_dead(addr)
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self.stopped.wait(self.poll_s):
+            self.awaiting_push &= engine.restarting  # readmitted by the push (update_weights)
+            for addr in [a for a in engine.addresses if a not in engine._excluded]:
+                refused = self._refused(addr)
+                if addr not in engine.restarting:
+                    if refused:
+                        self._down(addr)
+                    continue
+                if addr in self.awaiting_push:
+                    continue
+                if refused:
+                    if time.monotonic() - self.down_since.get(addr, time.monotonic()) > self.config.setup_timeout:
+                        engine.restarting.discard(addr)
+                        engine.exclude_servers([addr], f"not back within rollout.setup_timeout={self.config.setup_timeout} s")
+                    continue
+                try:
+                    wait_healthy([addr], self.config.setup_timeout)
+                    if catch_up(engine, addr, self.config):
+                        logger.warning("server %s is back and caught up after %.1f s", addr,
+                                       time.monotonic() - self.down_since.pop(addr, time.monotonic()))
+                    else:
+                        self.awaiting_push.add(addr)
+                except Exception:  # noqa: BLE001 - the run goes on with the other servers
+                    logger.exception("catching up restarted server %s failed; it is excluded", addr)
+                    engine.restarting.discard(addr)
+                    engine.exclude_servers([addr], "its catch-up failed")
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
@@ -356,8 +447,8 @@ def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_di
         addresses = obj[0]
     engine = RemoteInferenceEngine(config, addresses)
     engine.initialize()
-    if not config.addresses and dist.get_rank() == 0 and config.max_server_restarts > 0:
-        supervisor = ServerSupervisor(engine, config)
-        engine.restart_hook = supervisor.claim
-        supervisor.start()
+    if dist.get_rank() == 0 and config.max_server_restarts > 0:
+        watcher = ServerWatcher(engine, config) if config.addresses else ServerSupervisor(engine, config)
+        engine.restart_hook = watcher.claim
+        watcher.start()
     return engine

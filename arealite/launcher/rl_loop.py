@@ -278,5 +278,19 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
 def main(config_cls: type, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflow,
          argv: list[str] | None = None) -> dict[str, float]:
     """``run_rl(load_config(config_cls, argv), build_algorithm, build_workflow)``: a recipe's
-    ``main`` (YAML via ``--config`` and command-line overrides)."""
-    return run_rl(load_config(config_cls, argv), build_algorithm, build_workflow)
+    ``main`` (YAML via ``--config`` and command-line overrides).
+
+    With ``$AREALITE_CONFIG_DUMP`` set (a cluster launcher reading the recipe's config,
+    :func:`arealite.launcher.cluster.read_recipe_config`), the config is validated for
+    ``launcher.trainer_ranks`` ranks and written there as YAML instead of training."""
+    config = load_config(config_cls, argv)
+    dump = os.environ.get("AREALITE_CONFIG_DUMP")
+    if dump:
+        validate_config(config, world_size=config.launcher.trainer_ranks)
+        model_path = resolve_model_path(config.actor.path)
+        check_model_fits(model_path, config.gconfig, load_tokenizer(model_path))
+        with open(dump, "w") as f:
+            yaml.safe_dump({**to_dict(config), "output_dir": os.path.abspath(config.output_dir),
+                            "model_path": os.path.abspath(model_path)}, f)
+        return {}
+    return run_rl(config, build_algorithm, build_workflow)
