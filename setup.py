@@ -23,6 +23,7 @@ setup(
         "tensorboard",
         "torchdata>=0.10",
         "tqdm",
+        "matplotlib",  # the run report's plots (arealite/report.py)
         "peft>=0.17",  # LoRA (actor.lora / critic.lora): PEFT's LoRA layers
     ],
     extras_require={

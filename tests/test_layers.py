@@ -19,7 +19,7 @@ LAYERS = {
     "utils": 1, "algorithms": 1, "dataset": 1, "reward": 1, "rollout": 1, "sandbox": 1,  # pieces
     "engine": 2,  # trainer engine, HTTP client, our server, weight sync, vLLM extension
     "workflow": 3, "agent": 3,  # rollouts of one data row
-    "launcher": 4, "evaluate": 4,  # processes, the training loops, the weight-update coordinator
+    "launcher": 4, "evaluate": 4, "report": 4,  # processes, the training loops, the weight-update coordinator
 }
 NAMES = {0: "contracts", 1: "pieces", 2: "engines", 3: "workflows", 4: "launchers"}
 

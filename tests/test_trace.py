@@ -142,3 +142,16 @@ def test_three_step_run_trace_has_the_tracks_and_agrees_with_stats(tiny_model_di
     # every trained sample was generated: at least 3 steps × 4 prompts × 2 samples request spans
     assert sum(e["name"] == "generate" for _, e in spans) >= 24
     assert [s for s in steps if "eval/version" in s]  # the in-loop evaluation is logged with its version
+
+
+def test_periodic_flush_runs_in_the_background_and_the_final_save_wins(tmp_path):
+    t = Tracer()
+    t.complete("a", 0, 1)
+    path = str(tmp_path / "trace.json")
+    t.maybe_save(path, every_s=0)  # starts a background write
+    t.complete("b", 1, 2)
+    t.save(path)  # waits for that write, then writes the newer snapshot
+    assert [e["name"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"] == ["a", "b"]
+    saver = t._saver
+    t.maybe_save(path, every_s=3600)  # saved just now: no new write
+    assert t._saver is saver

@@ -43,6 +43,7 @@ from arealite.dataset.loader import EpochLoader, load_rows, make_dataloader
 from arealite.dataset.math_data import load_dataset
 from arealite.engine.fsdp import FSDPEngine, init_distributed
 from arealite.evaluate import BackgroundEvaluator
+from arealite.report import write_report
 from arealite.launcher.local import make_inference_engine, trainer_threads
 from arealite.launcher.weight_update import sync_weights
 from arealite.rollout.executor import WorkflowExecutor
@@ -267,6 +268,11 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
                                   trace_path)
         trace.install(None)
     stats_logger.close()
+    if rank == 0:
+        try:
+            print(f"run report: {write_report(out)}", flush=True)
+        except Exception as e:  # a report problem never fails a finished run
+            print(f"run report failed: {e!r}", flush=True)
     executor.destroy()
     rollout.destroy()
     if getattr(base_workflow, "reward_worker", None) is not None:

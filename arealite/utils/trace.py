@@ -13,7 +13,7 @@ Overlapping spans (concurrent requests on one server) go to *lanes*: :meth:`Trac
 puts a span on the first ``slot j`` track of its group that is free at its start, so every track
 holds properly nested spans.
 
-Bounded size: at most ``max_events`` events are kept (default 200,000, about 25 MB of JSON):
+Bounded size: at most ``max_events`` events are kept (default 100,000, about 12 MB of JSON):
 the first half forever, then the most recent half in a ring (older ones in that part are
 rotated out); ``otherData.dropped_events`` counts what was lost. Thread-safe (one lock per
 event append). Disabled (``AREALITE_TRACE=0`` or no tracer installed) every call is a no-op:
@@ -41,7 +41,7 @@ import time
 import zlib
 from typing import Any, Iterator
 
-DEFAULT_MAX_EVENTS = 200_000
+DEFAULT_MAX_EVENTS = 100_000
 
 
 def _id(name: str) -> int:
@@ -69,6 +69,7 @@ class Tracer:
         self._lock = threading.Lock()
         self.dropped = 0
         self.last_save = 0.0
+        self._saver: threading.Thread | None = None
 
     # -- recording ---------------------------------------------------------------------------------
     def _ids(self, process: str | None, track: str | None) -> tuple[int, int]:
@@ -139,20 +140,27 @@ class Tracer:
 
     def save(self, path: str) -> None:
         """Write ``{"traceEvents": [...], "otherData": {...}}`` to ``path`` atomically (a crash
-        mid-write leaves the previous file)."""
+        mid-write leaves the previous file). Waits for a background flush first, so the newest
+        snapshot is the one left."""
+        saver = self._saver
+        if saver is not None and saver is not threading.current_thread():
+            saver.join()
         data = {"traceEvents": self.events(), "displayTimeUnit": "ms",
                 "otherData": {"dropped_events": self.dropped, "max_events": self.max_events}}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
+        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
         with open(tmp, "w") as f:
             json.dump(data, f, separators=(",", ":"))
         os.replace(tmp, path)
         self.last_save = time.time()
 
     def maybe_save(self, path: str, every_s: float = 30.0) -> None:
-        """:meth:`save` when the last save is more than ``every_s`` seconds old (periodic flush)."""
-        if time.time() - self.last_save >= every_s:
-            self.save(path)
+        """Periodic flush: :meth:`save` in a background thread when the last save is more than
+        ``every_s`` seconds old and none is running (writing 100k events takes about a second)."""
+        if time.time() - self.last_save >= every_s and not (self._saver and self._saver.is_alive()):
+            self.last_save = time.time()
+            self._saver = threading.Thread(target=self.save, args=(path,), name="arealite-trace-save", daemon=True)
+            self._saver.start()
 
 
 def merge_files(paths: list[str], out: str) -> None:
