@@ -54,6 +54,14 @@ from arealite.launcher.cluster import (Node, Placement, address_file, describe, 
                                        server_argv, stream, this_machine, trainer_argv, trainer_env, wait_addresses, write_address)
 
 _NOT_FOR_SERVERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_FORWARDED = ("AREALITE_", "VLLM_", "SGLANG_", "HF_", "NCCL_", "GLOO_", "TORCH_", "PYTHONPATH")
+
+
+def forwarded_env() -> dict:
+    """The driver's variables that the job's processes need on every node (``AREALITE_VLLM_PYTHON``,
+    ``VLLM_*``, ``HF_*``, ``NCCL_*``, ``PYTHONPATH``, ...): Ray workers otherwise inherit the
+    environment of ``ray start``, not the driver's."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}
 
 
 class ServerActor:
@@ -177,7 +185,7 @@ def _run_once(args, config: dict, placement: Placement, pg, attempt: int) -> tup
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n_trainer_bundles + i)
             servers.append(ray.remote(ServerActor).options(
                 num_cpus=rollout.server_threads, num_gpus=launcher.server_gpus, max_restarts=rollout.max_server_restarts,
-                scheduling_strategy=strategy).remote(i, config["rollout"], config["model_path"], config["seed"] + i, out, cwd))
+                scheduling_strategy=strategy, runtime_env={"env_vars": forwarded_env()}).remote(i, config["rollout"], config["model_path"], config["seed"] + i, out, cwd))
         files = [address_file(out, i) for i in range(rollout.n_servers)]
         infos = ray.get([s.info.remote() for s in servers], timeout=rollout.setup_timeout)
         addresses = wait_addresses(files, rollout.setup_timeout)
@@ -188,7 +196,7 @@ def _run_once(args, config: dict, placement: Placement, pg, attempt: int) -> tup
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k)
                 trainers.append(ray.remote(TrainerActor).options(
                     num_cpus=launcher.trainer_cpus, num_gpus=launcher.trainer_gpus, max_restarts=0,
-                    scheduling_strategy=strategy).remote())
+                    scheduling_strategy=strategy, runtime_env={"env_vars": forwarded_env()}).remote())
         tinfo = ray.get([t.info.remote() for t in trainers], timeout=launcher.placement_timeout)
         with open(os.path.join(out, "logs", "placement.json"), "w") as f:
             json.dump({"attempt": attempt, "servers": infos, "trainers": tinfo}, f, indent=1)
