@@ -247,6 +247,8 @@ class FSDPEngine(TrainEngine):
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         if not self.config.cpu_offload:
             model.to(self.device)
+        if self.peft is not None:  # random adapter init: every rank must shard the same tensors
+            lora.broadcast_trainable(model, self.device)
         kw = {}
         if self.config.mixed_precision == "bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

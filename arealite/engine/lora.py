@@ -95,6 +95,20 @@ def wrap_model(model: torch.nn.Module, cfg: LoRAConfig, modules_to_save: tuple[s
     return peft_model, peft_model.base_model.model
 
 
+@torch.no_grad()
+def broadcast_trainable(model: torch.nn.Module, device: torch.device) -> None:
+    """Copy rank 0's trainable parameters (the randomly initialised adapters) to every rank,
+    before ``fully_shard`` (each rank keeps its shard of the same tensor). Collective;
+    no-op with one rank. ``device``: where the backend communicates (CUDA for NCCL)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            t = p.data.to(device)
+            dist.broadcast(t, src=0)
+            p.data.copy_(t)
+
+
 class LoRAReference:
     """The reference policy of a LoRA actor: the actor's model with its adapters disabled
     (``PeftModel.disable_adapter``), i.e. the base weights; no second copy of them.

@@ -296,7 +296,7 @@ def _send_bucket(pg: WeightUpdateGroup, addresses: list[str], payload: dict, ten
 def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int,
                       bucket_bytes: int, backend: str | None = None, tp_size: int = 1,
                       group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0,
-                      adapter=SGLangAdapter) -> dict:
+                      adapter=SGLangAdapter, source=None) -> dict:
     """Push ``model``'s parameters to every server; collective over the default group.
 
     Every rank gathers the full tensors; rank 0 sends them bucket by bucket: one
@@ -311,6 +311,10 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
         backend: "gloo"/"nccl"; None = NCCL when the parameters are on a GPU, else gloo.
         timeout_s: bound for a hung server [s], per bucket and for the group setup
             (``rollout.weight_sync_timeout``); a dead server is detected at once.
+        source: what to send instead of ``model.named_parameters()``: ``(specs, tensors)`` with
+            ``specs`` a list of ``(name, shape, dtype)`` and ``tensors`` an iterable of
+            ``(name, full tensor)`` in the same order (collective on every rank), e.g. a LoRA
+            actor's adapters (:func:`arealite.engine.lora.sync_tensors`).
 
     Returns: ``{"n_buckets", "n_tensors", "bytes", "seconds"}`` (rank 0; zeros elsewhere).
 
@@ -359,11 +363,11 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
                 error, failed = fail("while creating the weight-update group", e)
     # Only the last bucket carries the version, so a server left half-updated by a failure keeps
     # reporting its old version (the bucket count comes from shapes alone, before any gather).
+    specs, tensors = source or ([(n, p.shape, p.dtype) for n, p in model.named_parameters()], _full_tensors(model))
     n_buckets = sum(1 for _ in iter_buckets(
-        ((n, torch.empty(p.shape, dtype=p.dtype, device="meta")) for n, p in model.named_parameters()),
-        bucket_bytes))
+        ((n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape, dtype in specs), bucket_bytes))
     with torch.no_grad():
-        for k, bucket in enumerate(iter_buckets(_full_tensors(model), bucket_bytes)):
+        for k, bucket in enumerate(iter_buckets(tensors, bucket_bytes)):
             if rank != 0 or error is not None:
                 continue  # the all-gathers above go on, so that every rank reaches the end
             payload = UpdateBucket.of_tensors(bucket, group_name,

@@ -11,7 +11,8 @@ Order (``rollout.weight_sync``: disk | distributed):
 2. rank 0: the servers abort in-flight generation (partial outputs return to the client, which
    resubmits them; the paused servers hold them) — ``pause_generation``;
 3. every rank: push — disk: ``actor.save(meta.path)``; distributed: broadcast the full tensors
-   bucket by bucket to the servers of ``meta.addresses``;
+   bucket by bucket to the servers of ``meta.addresses`` (a LoRA actor: only the adapters to
+   our server, the merged weights to vLLM/SGLang; :mod:`arealite.engine.lora`);
 4. rank 0: the servers load (disk) or confirm (distributed) ``meta.version``;
 5. every rank, after a barrier: the inference engine records the new version (the one owner of
    the version on the trainer side; the executor's staleness rule reads it) — before the servers
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from arealite.api.engine import InferenceEngine, TrainEngine
 from arealite.api.io_struct import WeightUpdateMeta
+from arealite.engine import lora
 from arealite.engine.adapters import ADAPTERS
 from arealite.engine.weight_sync import WeightSyncError, broadcast_weights
 from arealite.rollout.executor import WorkflowExecutor
@@ -41,11 +43,19 @@ def push_weights(actor: TrainEngine, meta: WeightUpdateMeta) -> None:
         ValueError: unknown ``meta.type``.
         WeightSyncError: the distributed push failed (on every rank).
     """
+    # A LoRA actor sends only its adapters to our server (which merges them into its base
+    # weights) and the merged full weights to vLLM/SGLang (docs/engine.md, "LoRA").
+    lora_actor = getattr(actor, "peft", None) is not None
+    merged = meta.backend != "local"
     if meta.type == "disk":
-        actor.save(meta.path)
+        if lora_actor:
+            (lora.save_merged if merged else lora.save_adapter)(actor, meta.path)
+        else:
+            actor.save(meta.path)
     elif meta.type == "distributed":
+        source = (lora.sync_specs(actor.model, merged), lora.sync_tensors(actor.model, merged)) if lora_actor else None
         broadcast_weights(actor.model, meta.addresses, meta.version, meta.bucket_bytes, tp_size=meta.tp_size,
-                          timeout_s=meta.timeout_s, adapter=ADAPTERS[meta.backend])
+                          timeout_s=meta.timeout_s, adapter=ADAPTERS[meta.backend], source=source)
     else:
         raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")
 

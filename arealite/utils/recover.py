@@ -5,7 +5,9 @@ What one checkpoint ``<root>/step{N}/`` holds (``N`` = completed training steps)
 * ``*.distcp`` + ``.metadata``: the sharded model parameters and optimizer state (AdamW
   moments and step counts) of each trainable engine (actor, critic), written with
   ``torch.distributed.checkpoint`` (DCP) from ``get_state_dict`` — each rank writes its own
-  shards, nothing is gathered. A frozen reference model is not saved (rebuilt from its path).
+  shards, nothing is gathered. A frozen reference model is not saved (rebuilt from its path);
+  nor are a LoRA engine's frozen base weights (only the adapters, their optimizer state and a
+  trained value head are).
 * ``trainer_state_rank{r}.pt`` (one per rank): per engine its ``extra_state()`` (the LR
   scheduler state and the non-finite-step skip counters of
   :class:`~arealite.api.engine.TrainEngine`); ``N`` (= the weight version: one update per
@@ -191,6 +193,29 @@ def _check_engines(engines: dict[str, TrainEngine]) -> None:
                              "never change, so it is rebuilt from its model path instead of saved")
 
 
+def _options(engine: TrainEngine):
+    """DCP state-dict options: an engine with frozen parameters (LoRA: the base weights, rebuilt
+    from the model path) saves and loads only its trainable ones."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in engine.model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def _engine_state(engine: TrainEngine) -> dict:
+    """``{"model", "optimizer"}`` sharded state dicts of ``engine`` (DCP ``get_state_dict``);
+    with frozen parameters only the trainable ones (``ignore_frozen_params`` keeps a tied alias
+    such as ``lm_head.weight``, dropped here too)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    options = _options(engine)
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=options)
+    if options.ignore_frozen_params:
+        trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
 def save_checkpoint(root: str, step: int, engines: dict[str, TrainEngine],
                     stateful: dict[str, Stateful] | None = None, keep_last: int = 1) -> str:
     """Write ``<root>/step{step}`` atomically (see the module docstring). Collective.
@@ -215,7 +240,6 @@ def save_checkpoint(root: str, step: int, engines: dict[str, TrainEngine],
             wait at the next barrier: the launcher's failure handling ends them.)
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     _check_engines(engines)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -230,8 +254,7 @@ def save_checkpoint(root: str, step: int, engines: dict[str, TrainEngine],
     dist.barrier()
     sharded = {}
     for name, engine in engines.items():
-        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-        sharded[name] = {"model": model_sd, "optimizer": optim_sd}
+        sharded[name] = _engine_state(engine)
     try:
         dcp.save(sharded, checkpoint_id=tmp)
         trainer_state = {
@@ -280,7 +303,7 @@ def load_checkpoint(path: str, engines: dict[str, TrainEngine], stateful: dict[s
         KeyError: an engine or ``stateful`` name is missing from the checkpoint.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     _check_engines(engines)
     marker = _read_marker(path)
@@ -299,12 +322,11 @@ def load_checkpoint(path: str, engines: dict[str, TrainEngine], stateful: dict[s
             raise KeyError(f"{path}: no saved state for {kind} {missing} (saved: {sorted(saved)})")
     sharded = {}
     for name, engine in engines.items():
-        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-        sharded[name] = {"model": model_sd, "optimizer": optim_sd}
+        sharded[name] = _engine_state(engine)
     dcp.load(sharded, checkpoint_id=path)
     for name, engine in engines.items():
         set_state_dict(engine.model, engine.optimizer, model_state_dict=sharded[name]["model"],
-                       optim_state_dict=sharded[name]["optimizer"])
+                       optim_state_dict=sharded[name]["optimizer"], options=_options(engine))
         engine.load_extra_state(trainer_state["engines"][name])
     for key, obj in (stateful or {}).items():
         obj.load_state_dict(trainer_state["stateful"][key])

@@ -4,6 +4,13 @@ weight-update groups through which the trainer broadcasts buckets
 
 The loads run in the scheduler thread between decode steps; joining a group and receiving a
 bucket block, so the HTTP layer runs them in a worker thread.
+
+LoRA actors (:mod:`arealite.engine.lora`) send only their adapters: a PEFT adapter folder on
+disk (``adapter_config.json``), or buckets of ``{module}.lora_A.weight`` (A [r, in]) and
+``{module}.lora_B.weight`` (s · B [out, r], the scale s = alpha / r folded in by the trainer).
+:func:`merge_lora` sets ``W = W0 + s · B A`` (float32, cast to W's dtype), where ``W0`` is a copy
+of the weight kept from before the first LoRA load: every version merges afresh onto the same
+base (no drift). A full-weight load replaces the base (the kept copies of those weights drop).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ def load_weights_from_disk(model: torch.nn.Module, path: str) -> tuple[int, list
 
     if not os.path.isdir(path):
         raise ValueError(f"model_path {path!r} is not a directory")
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return load_adapter_from_disk(model, path), []
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
@@ -68,7 +77,100 @@ def load_weights_from_disk(model: torch.nn.Module, path: str) -> tuple[int, list
     with torch.no_grad():
         model.load_state_dict({k: v.to(expected[k].dtype) for k, v in loaded.items()},
                               strict=False)
+    _drop_lora_base(model, loaded)
     return len(loaded), unexpected
+
+
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def _drop_lora_base(model: torch.nn.Module, names) -> None:
+    """Full weights ``names`` were loaded: they are the new base of later LoRA merges."""
+    base = getattr(model, "_arealite_lora_w0", None)
+    for n in names if base else ():
+        base.pop(n, None)
+
+
+def load_adapter_from_disk(model: torch.nn.Module, path: str) -> int:
+    """Merge the PEFT LoRA adapter folder ``path`` (``adapter_config.json`` +
+    ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes) into ``model``
+    with :func:`merge_lora`; s = ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+    ``use_rslora``). Returns the number of merged modules.
+
+    Raises:
+        ValueError: not a LoRA adapter, a setting the merge does not implement
+            (``fan_in_fan_out``, per-module rank/alpha patterns, ``modules_to_save``, DoRA),
+            or a tensor that does not fit the model (nothing is changed then).
+    """
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters are merged")
+    for key in ("fan_in_fan_out", "use_dora", "rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise ValueError(f"{path}: adapter_config {key}={cfg[key]!r} is not supported by the server's merge")
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(file):
+        raise ValueError(f"no adapter_model.safetensors in {path!r}")
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    scale = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+    tensors = {}
+    for key, t in load_file(file).items():
+        name = key.removeprefix("base_model.model.")
+        if not name.endswith((LORA_A, LORA_B)):
+            raise ValueError(f"{path}: tensor {key!r} is not a LoRA A/B matrix (modules_to_save is not supported)")
+        tensors[name] = t * scale if name.endswith(LORA_B) else t
+    n = merge_lora(model, tensors)
+    if getattr(model, "_arealite_lora_pending", None):
+        pending = sorted(model._arealite_lora_pending)
+        model._arealite_lora_pending.clear()
+        raise ValueError(f"{path}: LoRA matrices without their pair, e.g. {pending[:3]}")
+    return n
+
+
+def merge_lora(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Set ``W = W0 + B A`` for every module whose ``{module}.lora_A.weight`` (A [r, in]) and
+    ``{module}.lora_B.weight`` (B [out, r], already scaled) are both known, from ``tensors`` or
+    from earlier calls (a pair may straddle two buckets; the first half waits on the model).
+    ``W0`` is the module's weight before its first merge (kept on the model). Every tensor is
+    validated (linear module of the model, shapes fit ``W`` [out, in] and each other) before
+    anything changes. Returns the number of modules merged now.
+
+    Raises:
+        ValueError: naming the first tensor that does not fit.
+    """
+    modules = dict(model.named_modules())
+    pending = model.__dict__.setdefault("_arealite_lora_pending", {})
+    base = model.__dict__.setdefault("_arealite_lora_w0", {})
+    new = {**pending, **tensors}
+    for key, t in tensors.items():
+        mname = key.removesuffix(LORA_A).removesuffix(LORA_B)
+        mod = modules.get(mname)
+        if not isinstance(mod, torch.nn.Linear):
+            raise ValueError(f"LoRA tensor {key!r}: {mname!r} is no linear layer of the served model "
+                             "(the trainer's architecture differs from the server's?)")
+        out_f, in_f = mod.weight.shape
+        if t.dim() != 2 or (key.endswith(LORA_A) and t.shape[1] != in_f) or (key.endswith(LORA_B) and t.shape[0] != out_f):
+            raise ValueError(f"LoRA tensor {key!r}: shape {tuple(t.shape)} does not fit {mname}.weight {(out_f, in_f)}")
+        other = new.get(mname + (LORA_B if key.endswith(LORA_A) else LORA_A))
+        if other is not None and (t.shape[0] if key.endswith(LORA_A) else t.shape[1]) != (
+                other.shape[1] if key.endswith(LORA_A) else other.shape[0]):
+            raise ValueError(f"LoRA tensor {key!r}: rank differs from its pair's")
+    merged = 0
+    with torch.no_grad():
+        for key in list(new):
+            if not key.endswith(LORA_A) or (mname := key.removesuffix(LORA_A)) + LORA_B not in new:
+                continue
+            w = modules[mname].weight
+            w0 = base.setdefault(mname + ".weight", w.detach().clone())
+            a, b = new.pop(key), new.pop(mname + LORA_B)
+            w.copy_((w0.float() + b.to(w.device).float() @ a.to(w.device).float()).to(w.dtype))
+            merged += 1
+    pending.clear()
+    pending.update(new)  # halves still waiting for their pair
+    return merged
 
 
 def load_named_tensors(model: torch.nn.Module, tensors: dict) -> int:
@@ -77,6 +179,11 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict) -> int:
     is copied. Tied parameters update together (shared storage). Values are cast to the
     model's dtype. Returns the number of tensors; raises ``ValueError`` naming the first bad one.
     """
+    if any(k.endswith((LORA_A, LORA_B)) for k in tensors):  # a LoRA actor's adapters
+        if not all(k.endswith((LORA_A, LORA_B)) for k in tensors):
+            raise ValueError("a bucket mixes LoRA matrices and full weights; send them in separate buckets")
+        merge_lora(model, tensors)
+        return len(tensors)
     expected = model.state_dict()
     for key, tensor in tensors.items():
         if key not in expected:
@@ -88,6 +195,7 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict) -> int:
     with torch.no_grad():
         for key, tensor in tensors.items():
             expected[key].copy_(tensor.to(device=expected[key].device, dtype=expected[key].dtype))
+    _drop_lora_base(model, tensors)
     return len(tensors)
 
 

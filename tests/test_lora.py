@@ -1,0 +1,156 @@
+"""LoRA (PEFT) on the FSDP2 actor, end to end on a tiny random Llama and one of our servers.
+
+The torchrun runs are tests/dist/lora_grpo.py (3 GRPO steps, the reference = adapters disabled,
+a weight push to the server after every step, recover checkpoints after every step):
+1 rank with the disk push (a PEFT adapter folder), 2 ranks with the distributed push (only the
+lora_A / lora_B tensors), and a 2-rank run SIGKILLed after step 2 then resumed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from arealite.api.cli import ConfigError, load_config
+from arealite.api.config import GRPOConfig, LoRAConfig
+from arealite.engine.server.weights import merge_lora
+from conftest import REPO_ROOT, save_tiny_model
+
+SCRIPT = os.path.join(REPO_ROOT, "tests", "dist", "lora_grpo.py")
+PROMPT = [1, 17, 300, 4000, 25, 9]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("lora_model")), initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    from arealite.api.config import InferenceEngineConfig
+    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.launcher.local import launch_servers
+
+    cfg = InferenceEngineConfig(n_servers=1, setup_timeout=120, request_timeout=60)
+    addrs = launch_servers(cfg, model_dir, str(tmp_path_factory.mktemp("lora_logs")))
+    eng = RemoteInferenceEngine(cfg, addrs)
+    yield addrs[0]
+    eng.destroy()
+
+
+def _torchrun(model_dir, run_dir, addr, sync, nproc, total=3, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           SCRIPT, model_dir, str(run_dir), addr, sync, str(total)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{k: str(v) for k, v in env.items()})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _steps(run_dir):
+    return [json.loads(line) for line in open(run_dir / "steps.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_runs")
+    one, two = root / "one_rank_disk", root / "two_ranks_distributed"
+    for run_dir, sync, nproc in ((one, "disk", 1), (two, "distributed", 2)):
+        proc = _torchrun(model_dir, run_dir, server, sync, nproc)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return one, two
+
+
+def test_lora_grpo_one_vs_two_ranks_only_adapters_change_and_the_server_follows(runs):
+    one, two = runs
+    s1, s2 = _steps(one), _steps(two)
+    assert [s["step"] for s in s1] == [s["step"] for s in s2] == [0, 1, 2]
+    for a, b in zip(s1, s2):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5) and a["grad_norm"] > 0
+        for s in (a, b):  # disk (adapter folder) and distributed (lora_A/B only) pushes
+            assert s["server_diff"] <= 1e-4, s
+    assert s1[1]["kl_ref"] > 0  # the adapters moved the policy away from the base (reference) model
+    r1, r2 = torch.load(one / "final.pt"), torch.load(two / "final.pt")
+    for r in (r1, r2):
+        assert r["frozen_differ"] == [] and r["frozen_missing"] == [] and r["n_frozen"] > 0  # base bitwise equal
+        assert len(r["adapters"]) == 2 * 2 * 7  # 2 layers x 7 target modules x (A, B), nothing else trains
+        assert all("lora_A" in k or "lora_B" in k for k in r["adapters"])
+    for k, v in r1["adapters"].items():
+        torch.testing.assert_close(v, r2["adapters"][k], rtol=1e-4, atol=1e-6)
+        assert v.abs().max() > 0
+    assert r1["greedy"] == r2["greedy"]
+
+
+def test_saved_adapter_loads_with_peft_and_generates_the_trainers_tokens(runs, model_dir, server):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from arealite.engine.remote import post_json
+
+    one, _ = runs
+    want = torch.load(one / "final.pt")["greedy"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = PeftModel.from_pretrained(base, str(one / "final" / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(one / "final")).eval()  # lora.merged_final
+    ids = torch.tensor([PROMPT])
+    for model in (peft_model, merged):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert out[0, len(PROMPT):].tolist() == want
+
+
+def test_resume_after_sigkill_gives_bitwise_equal_adapters(runs, model_dir, server, tmp_path):
+    _, two = runs
+    run_dir = tmp_path / "killed"
+    proc = _torchrun(model_dir, run_dir, server, "distributed", 2, KILL_AT=2)
+    assert proc.returncode != 0 and "start step 0" in proc.stdout
+    ckpt = run_dir / "recover" / "step2"
+    names = os.listdir(ckpt)
+    # adapters + their AdamW moments only (the embedding alone is 97% of the base weights)
+    base_bytes = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
+    assert sum(os.path.getsize(ckpt / n) for n in names if n.endswith(".distcp")) < base_bytes / 20
+    proc = _torchrun(model_dir, run_dir, server, "distributed", 2)
+    assert proc.returncode == 0 and "start step 2" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert [s["step"] for s in _steps(run_dir)] == [0, 1, 2]
+    ref, got = torch.load(two / "final.pt"), torch.load(run_dir / "final.pt")
+    assert ref["adapters"].keys() == got["adapters"].keys()
+    for k in ref["adapters"]:
+        assert torch.equal(ref["adapters"][k], got["adapters"][k]), k
+    assert _steps(run_dir)[2]["server_diff"] <= 1e-4  # the resumed run pushed its adapters first
+
+
+def test_server_merge_keeps_the_base_and_checks_before_changing_anything():
+    lin = torch.nn.Sequential(torch.nn.Linear(3, 2, bias=False))
+    w0 = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    lin[0].weight.data.copy_(w0)
+    a, b = torch.tensor([[1.0, 0.0, 1.0]]), torch.tensor([[2.0], [-1.0]])  # r = 1
+    assert merge_lora(lin, {"0.lora_A.weight": a}) == 0  # waits for its pair (another bucket)
+    assert merge_lora(lin, {"0.lora_B.weight": b}) == 1
+    torch.testing.assert_close(lin[0].weight, w0 + torch.tensor([[2.0, 0.0, 2.0], [-1.0, 0.0, -1.0]]))
+    merge_lora(lin, {"0.lora_A.weight": a, "0.lora_B.weight": 3 * b})  # next version: onto W0, no drift
+    torch.testing.assert_close(lin[0].weight, w0 + 3 * torch.tensor([[2.0, 0.0, 2.0], [-1.0, 0.0, -1.0]]))
+    before = lin[0].weight.clone()
+    with pytest.raises(ValueError, match="does not fit"):
+        merge_lora(lin, {"0.lora_A.weight": a, "0.lora_B.weight": torch.ones(3, 1)})
+    with pytest.raises(ValueError, match="no linear layer"):
+        merge_lora(lin, {"1.lora_A.weight": a})
+    assert torch.equal(lin[0].weight, before)
+
+
+def test_bad_lora_config_names_the_field(model_dir):
+    from arealite.engine.lora import check_target_modules
+
+    for argv, field in ((["--actor.lora.rank", "-2"], "actor.lora.rank"),
+                        (["--actor.lora.rank", "8", "--actor.lora.alpha", "0"], "actor.lora.alpha"),
+                        (["--actor.lora.rank", "8", "--actor.lora.dropout", "1.0"], "actor.lora.dropout"),
+                        (["--actor.lora.rank", "8", "--actor.lora.init_lora_weights", "pissa"],
+                         "actor.lora.init_lora_weights")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(GRPOConfig, argv)
+    check_target_modules(model_dir, LoRAConfig(rank=8))  # the defaults exist in a Llama
+    check_target_modules(model_dir, LoRAConfig(rank=8, target_modules=["all-linear"]))
+    with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules\[1\].*qkv_proj.*available"):
+        check_target_modules(model_dir, LoRAConfig(rank=8, target_modules=["q_proj", "qkv_proj"]))
