@@ -42,6 +42,7 @@ from arealite.api.workflow import RolloutWorkflow
 from arealite.dataset.loader import EpochLoader, load_rows, make_dataloader
 from arealite.dataset.math_data import load_dataset
 from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.engine.lora import LoRAReference
 from arealite.evaluate import BackgroundEvaluator
 from arealite.report import write_report
 from arealite.launcher.local import make_inference_engine, trainer_threads
@@ -173,7 +174,9 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     actor = FSDPEngine(config.actor, temperature=temperature)
     actor.initialize(model_path, config.total_train_steps)
     ref = None
-    if getattr(config.algo, "kl_coef", 0.0) > 0:
+    if getattr(config.algo, "kl_coef", 0.0) > 0 and actor.peft is not None:
+        ref = LoRAReference(actor)  # the base weights = the actor with its adapters disabled
+    elif getattr(config.algo, "kl_coef", 0.0) > 0:
         ref = FSDPEngine(config.actor, temperature=temperature, trainable=False)
         ref.initialize(model_path)
     algo = build_algorithm(config, actor, ref)
