@@ -27,7 +27,9 @@ setup(
         "peft>=0.17",  # LoRA (actor.lora / critic.lora): PEFT's LoRA layers
     ],
     extras_require={
-        "test": ["pytest>=8", "ray>=2.40"],  # the Ray launcher's tests run a real 2-node Ray cluster
+        "test": ["pytest>=8", "ray>=2.40",  # the Ray launcher's tests run a real 2-node Ray cluster
+                 "wandb>=0.17"],  # the offline-mode test of the stats logger
+        "wandb": ["wandb>=0.17"],  # --logger.wandb.project (optional)
         "ray": ["ray>=2.40"],  # python -m arealite.launcher.ray
         "sglang": ["sglang>=0.4.9.post2"],
         "vllm": ["vllm>=0.10.2"],

@@ -204,6 +204,24 @@ class RecoverConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Optional Weights & Biases logging (``pip install wandb``); ``WANDB_MODE=offline`` or
+    ``mode: offline`` logs without network into ``output_dir/wandb``."""
+
+    project: str = ""  # W&B project ("" = no wandb)
+    entity: str = ""  # W&B team or user ("" = your default)
+    name: str = ""  # run name ("" = W&B's own)
+    mode: str = ""  # online | offline | disabled ("" = $WANDB_MODE, else online)
+
+
+@dataclass
+class LoggerConfig:
+    """Where per-step stats go besides stats.jsonl and tensorboard (always written)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
 class EvalConfig:
     """Greedy held-out accuracy on ``valid_dataset`` through the inference servers."""
 
@@ -252,6 +270,7 @@ class GRPOConfig:
     algo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     saver: SaverConfig = field(default_factory=SaverConfig)
     evaluator: EvalConfig = field(default_factory=EvalConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)

@@ -51,7 +51,7 @@ from arealite.rollout.executor import WorkflowExecutor
 from arealite.utils.hf import load_tokenizer, resolve_model_path
 from arealite.utils.recover import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint, should_save
 from arealite.utils import trace
-from arealite.utils.stats_logger import StatsLogger
+from arealite.utils.stats_logger import StatsLogger, require_wandb
 
 BuildAlgorithm = Callable[[Any, FSDPEngine, "FSDPEngine | None"], Any]
 BuildWorkflow = Callable[[Any, Any, "str | None"], RolloutWorkflow]
@@ -132,6 +132,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     random.seed(config.seed + rank)
     torch.manual_seed(config.seed)
     validate_config(config, world_size=world)  # also for configs built in Python (no load_config)
+    if getattr(getattr(config, "logger", None), "wandb", None) is not None and config.logger.wandb.project:
+        require_wandb()  # a clear ImportError before anything is loaded
     if getattr(config.evaluator, "freq_steps", 0) < 0:
         raise ValueError(f"evaluator.freq_steps={config.evaluator.freq_steps}: must be >= 0 (0 = never)")
 
@@ -180,7 +182,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         ref = FSDPEngine(config.actor, temperature=temperature, trainable=False)
         ref.initialize(model_path)
     algo = build_algorithm(config, actor, ref)
-    stats_logger = StatsLogger(out, rank, config.total_train_steps)
+    stats_logger = StatsLogger(out, rank, config.total_train_steps, getattr(getattr(config, "logger", None), "wandb", None),
+                               to_dict(config))
     # Timeline (trace.json, arealite/utils/trace.py): this rank's spans, its servers' requests, the gate.
     tracer = trace.install(trace.Tracer("trainer", f"rank {rank}") if trace.enabled_by_env() else None)
     executor.staleness.trace_process = f"rollout rank {rank}"
@@ -210,6 +213,7 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         sync_weights(actor, rollout, executor, weight_dir, start_step)  # the servers started from model_path
 
     summary = evaluate("start") if config.evaluator.at_start and not start_step else {}
+    stats_logger.last_eval = next(((k[:-6], v, 0.0) for k, v in summary.items() if k.endswith("_start")), None)
     prev_train_end = 0.0
     trained_samples, run_start = 0, time.time()
     for step in range(start_step, config.total_train_steps):

@@ -65,6 +65,7 @@ class Tracer:
         self._head: list[dict] = []
         self._tail: collections.deque = collections.deque(maxlen=max_events - max_events // 2)
         self._meta: dict[tuple, dict] = {}
+        self._id_cache: dict[tuple[str, str], tuple[int, int]] = {}
         self._lanes: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self.dropped = 0
@@ -73,15 +74,18 @@ class Tracer:
 
     # -- recording ---------------------------------------------------------------------------------
     def _ids(self, process: str | None, track: str | None) -> tuple[int, int]:
-        process, track = process or self.process, track or self.track
-        pid, tid = _id(process), _id(process + "/" + track)
-        if (pid, tid) not in self._meta:  # a dict read; the first use of a track names it
+        key = (process or self.process, track or self.track)
+        ids = self._id_cache.get(key)  # a dict read; the first use of a track names it
+        if ids is None:
+            process, track = key
+            pid, tid = ids = _id(process), _id(process + "/" + track)
             with self._lock:
+                self._id_cache[key] = ids
                 self._meta[(pid, 0)] = {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                                         "args": {"name": process}}
                 self._meta[(pid, tid)] = {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                                           "args": {"name": track}}
-        return pid, tid
+        return ids
 
     def _add(self, ev: dict) -> None:
         with self._lock:
