@@ -115,3 +115,55 @@ def test_impossible_placement_fails_fast(slurm, tiny_model_dir, tmp_path, flags,
     assert proc.returncode == 2 and field in proc.stderr and "Slurm cluster has 1 node" in proc.stderr, proc.stderr
     assert time.monotonic() - start < 10
     assert not (tmp_path / "grpo_math").exists()
+
+
+# The trainer SIGKILLs itself once recover/step3 is complete, on the first attempt only.
+KILL_AFTER_STEP3 = """
+import os, runpy, signal, sys
+import arealite.launcher.rl_loop as loop
+real = loop.save_checkpoint
+def save_then_die(root, step, *args, **kwargs):
+    path = real(root, step, *args, **kwargs)
+    marker = os.path.join(os.path.dirname(root), "killed_once")
+    if step == 3 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+loop.save_checkpoint = save_then_die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_server_step_relaunched_and_trainer_failure_restarts_the_job(slurm, tiny_model_dir, tmp_path):
+    """The server process is SIGKILLed after step 1: the job script starts its step again on
+    the same port and trainer rank 0 catches it up. Then the trainer SIGKILLs itself after
+    recover/step3: the script restarts servers and trainers, which resume at step 3."""
+    (tmp_path / "kill.py").write_text(KILL_AFTER_STEP3)
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "arealite.launcher.slurm", "--wait", str(tmp_path / "kill.py"), RECIPE,
+           "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "4",
+           "--recover.freq_steps", "1", "--recover.mode", "auto", "--launcher.max_restarts", "1",
+           "--evaluator.at_end", "False", *SMALL]
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = tmp_path / "grpo_math" / "trial0"
+    deadline, killed = time.time() + 300, None
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        if (out / "stats.jsonl").exists() and (port := _server_port(out)):
+            servers = [p for p in psutil.process_iter(["pid", "cmdline"])
+                       if f"--port {port}" in " ".join(p.info["cmdline"] or []) and "arealite.engine.server" in
+                       " ".join(p.info["cmdline"] or [])]
+            if servers:
+                servers[0].kill()
+                killed = port
+        time.sleep(0.2)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and killed, log[-6000:]
+    assert "arealite: server 0 on" in log and "starting it again (restart 1 of 3)" in log
+    assert "is back (restarted, at weight version" in log
+    assert "restarting the job from the newest recover checkpoint (restart 1 of 1)" in log
+    assert f"resuming from {out / 'recover' / 'step3'}" in log
+    rows = [json.loads(line) for line in open(out / "stats.jsonl") if "summary" not in line]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["rollout/n_samples"] == 8 and r["rollout/dropped_stale"] == 0 for r in rows)
+    assert _wait_gone(str(tmp_path), _server_port(out)) == []
