@@ -46,8 +46,7 @@ from arealite.reward.math import math_reward
 from arealite.utils.hf import tokenize_chat
 from arealite.utils.metrics import extract_final_answer, summarize
 
-_SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "..", "shared", "data")
+_SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 DATASETS = {  # names accepted by --dataset (paths relative to the repository's ../shared/data)
     "gsm8k": os.path.join(_SHARED_DATA, "gsm8k", "test.jsonl"),
     "math500": os.path.join(_SHARED_DATA, "math", "math500.jsonl"),
@@ -117,9 +116,9 @@ async def agenerate_engine(engine, tokenizer, prompts: list[list[int]], n_sample
             resp = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=gconfig, rid=rid))
         return tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
 
+    base = f"eval-{time.time_ns()}"
     try:
-        texts = await asyncio.gather(*[one(p, f"eval-{i}-{time.time_ns()}") for i, p in enumerate(prompts)
-                                       for _ in range(n_samples)])
+        texts = await asyncio.gather(*[one(p, f"{base}-{i}") for i, p in enumerate(prompts) for _ in range(n_samples)])
     finally:
         await engine.aclose()
     return [list(texts[i * n_samples : (i + 1) * n_samples]) for i in range(len(prompts))]

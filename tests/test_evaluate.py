@@ -87,6 +87,21 @@ def test_cli_through_a_launched_server_matches_greedy_hf(tiny_model_dir, tmp_pat
     assert served["arithmetic"]["pass@1"] == pytest.approx(hf["arithmetic"]["pass@1"])
 
 
+def test_named_datasets_resolve_to_the_shared_files():
+    import os
+
+    from arealite.dataset.math_data import load_dataset
+    from arealite.evaluate import resolve_dataset
+    from conftest import SHARED_DATA
+
+    if not os.path.isdir(SHARED_DATA):
+        pytest.skip("../shared/data is not beside the clone")
+    gsm8k, math500 = resolve_dataset("gsm8k"), resolve_dataset("math500")
+    assert os.path.samefile(gsm8k, os.path.join(SHARED_DATA, "gsm8k", "test.jsonl"))
+    assert len(load_dataset(gsm8k, "test")) == 1319 and len(load_dataset(math500, "test")) == 500
+    assert resolve_dataset("arithmetic") is None
+
+
 def test_cli_refuses_bad_k_before_loading_anything(tmp_path):
     from arealite.evaluate import main
 
