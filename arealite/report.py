@@ -239,7 +239,7 @@ def write_report(out_dir: str, path: str | None = None) -> str:
     if last_eval:
         e = last_eval[-1]
         key.append(("last in-loop evaluation", ", ".join(f"{k[5:]} {v:.3f}" for k, v in e.items()
-                                                          if k.startswith("eval/") and k != "eval/version")
+                                                          if k.startswith("eval/") and k not in ("eval/version", "eval/time_s"))
                     + f" (version {e['eval/version']:.0f}, logged at step {e['step'] + 1})"))
     body = [f"<h1>Run report: {html.escape(str(config.get('experiment_name', '')))} / "
             f"{html.escape(str(config.get('trial_name', '')))}</h1>", _table(key)]
