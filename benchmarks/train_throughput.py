@@ -18,7 +18,17 @@ not inflate; ``--clock wall`` uses wall time (the default on GPU). Single proces
 here; on a GPU add ``--bf16`` (FSDP2 ``MixedPrecisionPolicy``; the plain loop then runs under
 ``torch.autocast(bfloat16)``).
 
+LoRA vs full fine-tuning (``--lora``, rank ``--lora-rank``, the 7 default target modules): each in
+its own process (peak RSS is per process), on the same batch of equal-length rows: tokens/s,
+peak RSS (``ru_maxrss``: model, optimizer state, activations), the optimizer state, and the weight
+sync of one update — disk: what the trainer writes (LoRA: a PEFT adapter folder; full: the HF
+folder) in bytes and seconds, plus the server's load of it (LoRA: the merge W0 + s·B A into its
+kept base copy, :func:`arealite.engine.server.weights.load_weights_from_disk`); distributed:
+the bytes broadcast (LoRA: lora_A/lora_B only) and the trainer-side gather time (1 rank: no
+network in these figures).
+
     flock /tmp/arealite_heavy.lock .venv/bin/python benchmarks/train_throughput.py
+    flock /tmp/arealite_heavy.lock .venv/bin/python benchmarks/train_throughput.py --lora
     python benchmarks/train_throughput.py --hidden 896 --layers 24 --heads 14 --kv-heads 2 \\
         --intermediate 4864 --vocab 151936 --batch 16 --seq-len 1024 --bf16   # Qwen2.5-0.5B shape
 """
@@ -63,6 +73,10 @@ def parse_args():
     p.add_argument("--clock", choices=["cpu", "wall"], default=None,
                    help="cpu = process CPU time (default on CPU), wall = wall time (default on GPU)")
     p.add_argument("--bf16", action="store_true", help="GPU: bf16 compute (engine mixed_precision='bf16')")
+    p.add_argument("--lora", action="store_true", help="LoRA vs full fine-tuning instead (see the docstring)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -155,11 +169,96 @@ def report(name: str, tokens: int, best: float, median: float) -> None:
     print(f"  {name:<19}: {tokens / best:9.1f} tokens/s ({best:.2f} s/step; median {median:.2f})")
 
 
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+               if f.endswith((".safetensors", ".bin")))
+
+
+def lora_worker(args) -> dict:
+    """One contender of ``--lora`` (in its own process): figures as a dict."""
+    import resource
+
+    from arealite.api.config import LoRAConfig
+    from arealite.engine import lora
+    from arealite.engine.server.weights import load_weights_from_disk
+    from transformers import AutoModelForCausalLM
+
+    use_lora = args.lora_worker == "lora"
+    cfg = TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-5, gradient_clipping=1.0),
+                            mb_spec=MicroBatchSpec(max_tokens_per_mb=args.batch * args.seq_len),
+                            mixed_precision="bf16" if args.bf16 else "none",
+                            lora=LoRAConfig(rank=args.lora_rank if use_lora else 0, alpha=2.0 * args.lora_rank))
+    engine = FSDPEngine(cfg, temperature=TEMPERATURE)
+    engine.initialize(args.model_dir)
+    batch = make_batch(args, [args.seq_len] * args.batch)
+    tokens = int(batch["attention_mask"].sum())
+    times = [engine_step(engine, batch)() for _ in range(args.steps + 1)][1:]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    opt_bytes = sum(t.numel() * t.element_size() for st in engine.optimizer.state.values()
+                    for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+    out = os.path.join(tempfile.mkdtemp(prefix="arealite_sync_"), "w")
+    t = time.perf_counter()
+    (lora.save_adapter if use_lora else FSDPEngine.save)(engine, out)
+    t_save = time.perf_counter() - t
+    server_model = AutoModelForCausalLM.from_pretrained(args.model_dir)
+    t = time.perf_counter()
+    load_weights_from_disk(server_model, out)
+    t_load = time.perf_counter() - t
+    t = time.perf_counter()
+    sent = list(lora.sync_tensors(engine.model, merged=False)) if use_lora else \
+        [(n, p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data) for n, p in engine.model.named_parameters()]
+    t_gather = time.perf_counter() - t
+    return {"tokens_per_s": tokens / min(times), "median_s": statistics.median(times), "peak_rss": rss,
+            "optimizer_bytes": opt_bytes, "trainable": trainable, "disk_bytes": _dir_bytes(out),
+            "disk_save_s": t_save, "server_load_s": t_load,
+            "dist_bytes": sum(x.numel() * x.element_size() for _, x in sent), "dist_gather_s": t_gather}
+
+
+def lora_vs_full(args, model_dir: str, n_params: int) -> None:
+    """Run both contenders as subprocesses and print the comparison."""
+    import json
+    import subprocess
+
+    res = {}
+    for mode in ("full", "lora"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--lora-worker", mode, "--model-dir", model_dir] + [
+            a for a in sys.argv[1:] if a != "--lora"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens = args.batch * args.seq_len
+    print(f"[LoRA rank {args.lora_rank} (q,k,v,o,gate,up,down) vs full fine-tuning, {args.batch}×{args.seq_len} = "
+          f"{tokens} tokens/step, {args.steps} timed steps]")
+    rows = [("trainable params", lambda r: f"{r['trainable'] / 1e6:.3f} M"),
+            ("tokens/s (best)", lambda r: f"{r['tokens_per_s']:.1f}"),
+            ("s/step (median)", lambda r: f"{r['median_s']:.2f}"),
+            ("peak RSS", lambda r: f"{r['peak_rss'] / 2**20:.0f} MiB"),
+            ("AdamW state", lambda r: f"{r['optimizer_bytes'] / 2**20:.2f} MiB"),
+            ("disk sync: bytes", lambda r: f"{r['disk_bytes'] / 2**20:.3f} MiB"),
+            ("disk sync: save", lambda r: f"{r['disk_save_s'] * 1e3:.0f} ms"),
+            ("disk sync: server load", lambda r: f"{r['server_load_s'] * 1e3:.0f} ms"),
+            ("distributed: bytes", lambda r: f"{r['dist_bytes'] / 2**20:.3f} MiB"),
+            ("distributed: gather", lambda r: f"{r['dist_gather_s'] * 1e3:.1f} ms")]
+    print(f"  {'':<24}{'full':>14}{'LoRA':>14}")
+    for name, fmt in rows:
+        print(f"  {name:<24}{fmt(res['full']):>14}{fmt(res['lora']):>14}")
+    print(f"  LoRA / full tokens/s: {res['lora']['tokens_per_s'] / res['full']['tokens_per_s']:.3f}×; "
+          f"sync bytes ÷ {res['full']['dist_bytes'] / res['lora']['dist_bytes']:.0f}")
+
+
 def main():
+    global CLOCK, PROMPT_FRAC
     args = parse_args()
+    if args.lora_worker:
+        PROMPT_FRAC = args.prompt_frac
+        torch.set_num_threads(args.threads)
+        CLOCK = time.process_time if (args.clock or "cpu") == "cpu" and not torch.cuda.is_available() else time.perf_counter
+        import json
+
+        print(json.dumps(lora_worker(args)))
+        return
     torch.set_num_threads(args.threads)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    global CLOCK, PROMPT_FRAC
     PROMPT_FRAC = args.prompt_frac
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
     CLOCK = time.process_time if clock == "cpu" else time.perf_counter
@@ -167,6 +266,8 @@ def main():
     n_params = make_model_dir(args, tmp)
     print(f"model: random Llama {n_params / 1e6:.1f} M params (hidden {args.hidden}, {args.layers} layers, "
           f"vocab {args.vocab}); {device}, {'bf16' if args.bf16 else 'float32'}, {args.threads} threads, {clock} clock")
+    if args.lora:
+        return lora_vs_full(args, tmp, n_params)
 
     def new_engine(packing: bool):
         cfg = TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-5, gradient_clipping=1.0),
