@@ -22,10 +22,12 @@ import html
 import io
 import json
 import os
+import re
 from typing import Any
 
 TIMELINE_STEPS = 3  # steps drawn in the timeline picture (the last ones in the trace)
-MAX_LANES = 12  # request lanes drawn per server (more are folded into the last row)
+MAX_LANES = 12  # request lanes drawn per server and rank (more are folded into the last row)
+_LANE = re.compile(r"(.*)slot (\d+)$")
 
 
 def load_stats(out_dir: str) -> tuple[list[dict], dict | None, int]:
@@ -147,15 +149,19 @@ def plot_timeline(events: list[dict], n_steps: int = TIMELINE_STEPS) -> str | No
         if e["ts"] + e["dur"] < t0 or e["ts"] > t1:
             continue
         proc, track = procs.get(e["pid"], "?"), tracks.get((e["pid"], e["tid"]), "?")
-        if track.startswith("slot "):
-            track = f"slot {min(int(track[5:]), MAX_LANES - 1)}"
+        lane = _LANE.match(track)
+        if lane:
+            track = f"{lane.group(1)}slot {min(int(lane.group(2)), MAX_LANES - 1)}"
         rows.setdefault(f"{proc} / {track}", []).append(((e["ts"] - t0) / 1e6, e["dur"] / 1e6, e["name"]))
     gates = sorted((e for e in events if e.get("ph") == "C" and e.get("name") == "staleness gate"), key=lambda e: e["ts"])
     colors = {"rollout-wait": "#bbbbbb", "train": "#4c72b0", "weight-sync": "#dd8452", "forward": "#55a868",
               "backward": "#c44e52", "optimizer": "#8172b3", "forward (no grad)": "#937860",
               "generate": "#64b5cd", "interrupted": "#e377c2"}
-    names = sorted(rows, key=lambda r: (not r.startswith("trainer"), r.split(" / ")[0],
-                                        int(r.rsplit(" ", 1)[1]) if r.split(" / ")[-1].startswith("slot") else -1))
+    def order(row):
+        lane = _LANE.match(row)
+        return (not row.startswith("trainer"), lane.group(1) if lane else row, int(lane.group(2)) if lane else -1)
+
+    names = sorted(rows, key=order)
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.32 * (len(names) + 1)))
     for y, name in enumerate(names):
         for start, dur, label in rows[name]:

@@ -66,7 +66,7 @@ def test_lanes_hold_non_overlapping_spans():
     for lane in by_lane.values():
         lane.sort()
         assert all(x[1] <= y[0] for x, y in zip(lane, lane[1:]))
-    assert sorted(by_lane) == ["server a/slot 0", "server a/slot 1", "server a/slot 2"]
+    assert sorted(by_lane) == ["server a/rank 0 slot 0", "server a/rank 0 slot 1", "server a/rank 0 slot 2"]
 
 
 def test_interrupted_segments_are_separate_spans_on_the_server_track(fake_sglang):  # noqa: F811
@@ -84,7 +84,8 @@ def test_interrupted_segments_are_separate_spans_on_the_server_track(fake_sglang
         trace.install(None)
     _, tracks = _names(t.events())
     spans = [(tracks[(e["pid"], e["tid"])], e["name"], e["args"]["tokens"]) for e in t.events() if e["ph"] == "X"]
-    assert spans == [(f"server {addr}/slot 0", "interrupted", 2), (f"server {addr}/slot 0", "generate", 2)]
+    lane = f"server {addr}/rank 0 slot 0"
+    assert spans == [(lane, "interrupted", 2), (lane, "generate", 2)]
 
 
 def test_merge_files_concatenates_ranks_and_skips_a_missing_file(tmp_path):

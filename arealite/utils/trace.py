@@ -5,12 +5,13 @@ Events (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsK
 ``"X"`` complete spans (``ts``/``dur`` in µs of wall-clock time, ``time.time()``, so that the
 files of several processes line up and match ``stats.jsonl``), ``"C"`` counters, ``"i"``
 instants, and ``"M"`` metadata naming each process (a group of tracks: ``trainer``, ``server
-127.0.0.1:port``, ``rollout rank r``) and thread (a track: ``rank r``, ``slot j``). Process and
+127.0.0.1:port``, ``rollout rank r``) and thread (a track: ``rank r``, ``rank r slot j``). Process and
 thread ids are stable hashes of those names, so files written by different processes merge by
 concatenation (:func:`merge_files`).
 
 Overlapping spans (concurrent requests on one server) go to *lanes*: :meth:`Tracer.lane_complete`
-puts a span on the first ``slot j`` track of its group that is free at its start, so every track
+puts a span on the first ``<track> slot j`` track of its group that is free at its start (``<track>``
+is the tracer's own, e.g. ``rank 1``, so that the clients of several ranks never share one), so every track
 holds properly nested spans.
 
 Bounded size: at most ``max_events`` events are kept (default 100,000, about 12 MB of JSON):
@@ -116,7 +117,7 @@ class Tracer:
             self.complete(name, start, time.time(), args, process, track)
 
     def lane_complete(self, process: str, name: str, start: float, end: float, args: dict | None = None) -> None:
-        """A span in group ``process`` on the first ``slot j`` track that is free at ``start``
+        """A span in group ``process`` on the first ``<self.track> slot j`` track free at ``start``
         (spans must be recorded in the order they end, as they are when recorded on completion)."""
         with self._lock:
             lanes = self._lanes.setdefault(process, [])
@@ -124,7 +125,7 @@ class Tracer:
             if j == len(lanes):
                 lanes.append(end)
             lanes[j] = end
-        self.complete(name, start, end, args, process, f"slot {j}")
+        self.complete(name, start, end, args, process, f"{self.track} slot {j}")
 
     def counter(self, name: str, values: dict[str, float], process: str | None = None, t: float | None = None) -> None:
         """Counter ``name`` (a track of ``process``) takes ``values`` from time ``t`` (now)."""
