@@ -161,10 +161,12 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # -- server choice -----------------------------------------------------------------------
     def live_addresses(self) -> list[str]:
-        """Servers not marked dead (a dead mark expires after ``DEAD_SERVER_COOLDOWN`` s) and not
-        excluded (a server that missed a pause or weight update would serve stale weights)."""
+        """Servers not marked dead (a dead mark expires after ``DEAD_SERVER_COOLDOWN`` s), not
+        excluded (a server that missed a pause or weight update would serve stale weights) and not
+        restarting (back up but not yet caught up to the current weights: :meth:`readmit`)."""
         now = time.monotonic()
-        return [a for a in self.addresses if self._dead_until[a] <= now and a not in self._excluded]
+        return [a for a in self.addresses
+                if self._dead_until[a] <= now and a not in self._excluded and a not in self.restarting]
 
     def mark_dead(self, addr: str) -> None:
         """Send no new requests to ``addr`` for ``DEAD_SERVER_COOLDOWN`` seconds."""
@@ -206,7 +208,8 @@ class RemoteInferenceEngine(InferenceEngine):
             return self._rid_to_addr[rid]
         # Least outstanding requests among live servers; if all are dead, the one whose mark
         # expires first (it may have come back).
-        usable = [a for a in self.addresses if a not in self._excluded] or self.addresses
+        usable = ([a for a in self.addresses if a not in self._excluded and a not in self.restarting]
+                  or [a for a in self.addresses if a not in self._excluded] or self.addresses)
         pool = live or [min(usable, key=lambda a: self._dead_until[a])]
         addr = min(pool, key=lambda a: self._outstanding[a])
         self._rid_to_addr[rid] = addr
@@ -252,6 +255,8 @@ class RemoteInferenceEngine(InferenceEngine):
         last: Exception | None = None
         attempts = max(1, self.config.request_retries)
         for attempt in range(attempts):
+            if self.restarting and not self.live_addresses():
+                await self._wait_for_restart(0.0)  # never to a restarted server before its catch-up
             addr = self._choose_server(rid)
             self._outstanding[addr] += 1
             try:
