@@ -154,3 +154,42 @@ def test_bad_lora_config_names_the_field(model_dir):
     check_target_modules(model_dir, LoRAConfig(rank=8, target_modules=["all-linear"]))
     with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules\[1\].*qkv_proj.*available"):
         check_target_modules(model_dir, LoRAConfig(rank=8, target_modules=["q_proj", "qkv_proj"]))
+
+
+def test_merged_push_for_vllm_has_the_hf_names_and_the_trainers_logprobs(model_dir, tmp_path):
+    """What a LoRA actor sends vLLM/SGLang (merged=True): every HF parameter name of the base
+    model once, and a plain HF model loaded with it computes the trainer's logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from arealite.api.config import TrainEngineConfig
+    from arealite.engine.fsdp import FSDPEngine
+    from arealite.engine.lora import sync_specs, sync_tensors
+    from arealite.engine.server.weights import load_named_tensors, load_weights_from_disk
+
+    actor = FSDPEngine(TrainEngineConfig(lora=LoRAConfig(rank=4, alpha=8.0, init_lora_weights="false")), temperature=0.7)
+    actor.initialize(model_dir)  # random A and B: the adapters change the outputs
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    merged = dict(sync_tensors(actor.model, merged=True))
+    assert list(merged) == [n for n, _ in plain.named_parameters()] == [n for n, _, _ in sync_specs(actor.model, True)]
+    ids = torch.tensor([PROMPT + [5, 6, 7, 8]])
+    lm = torch.ones_like(ids, dtype=torch.int32)
+    mine = actor.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool), "loss_mask": lm})
+
+    def logprobs(model):
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float() / 0.7
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+    before = logprobs(plain)
+    assert (before - mine[0, 1:]).abs().max() > 1e-2  # the adapters matter
+    load_named_tensors(plain, merged)
+    torch.testing.assert_close(logprobs(plain), mine[0, 1:], atol=1e-4, rtol=0)
+    # the disk form of the same push (save_merged) and the adapter folder both load into a fresh server model
+    from arealite.engine.lora import save_adapter, save_merged
+
+    save_merged(actor, str(tmp_path / "merged"))
+    save_adapter(actor, str(tmp_path / "adapter"))
+    for folder in ("merged", "adapter"):
+        fresh = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        load_weights_from_disk(fresh, str(tmp_path / folder))
+        torch.testing.assert_close(logprobs(fresh), mine[0, 1:], atol=1e-4, rtol=0)
