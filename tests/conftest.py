@@ -27,6 +27,31 @@ def save_tiny_model(path: str, seed: int = 0, initializer_range: float = 0.02) -
     return path
 
 
+def kill_once_after_checkpoint(rank: int, step: int) -> str:
+    """A recipe wrapper (``python wrapper.py RECIPE ARGS``): trainer rank ``rank`` SIGKILLs itself
+    once ``recover/step{step}`` is complete (rank 0 finishes writing it first), on the first
+    attempt only (a marker file beside ``recover/``)."""
+    return f"""
+import os, runpy, signal, sys, time
+import arealite.launcher.rl_loop as loop
+from arealite.utils.recover import list_checkpoints
+real = loop.save_checkpoint
+def save_then_die(root, step, *args, **kwargs):
+    path = real(root, step, *args, **kwargs)
+    marker = os.path.join(os.path.dirname(root), "killed_once")
+    if os.environ.get("RANK", "0") == "{rank}" and step == {step} and not os.path.exists(marker):
+        deadline = time.time() + 30
+        while {step} not in [s for s, _ in list_checkpoints(root)] and time.time() < deadline:
+            time.sleep(0.1)
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+loop.save_checkpoint = save_then_die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")))

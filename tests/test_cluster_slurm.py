@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, kill_once_after_checkpoint
 
 pytestmark = pytest.mark.skipif(
     shutil.which("slurmctld") is None or shutil.which("sbatch") is None or os.geteuid() != 0,
@@ -117,29 +117,11 @@ def test_impossible_placement_fails_fast(slurm, tiny_model_dir, tmp_path, flags,
     assert not (tmp_path / "grpo_math").exists()
 
 
-# The trainer SIGKILLs itself once recover/step3 is complete, on the first attempt only.
-KILL_AFTER_STEP3 = """
-import os, runpy, signal, sys
-import arealite.launcher.rl_loop as loop
-real = loop.save_checkpoint
-def save_then_die(root, step, *args, **kwargs):
-    path = real(root, step, *args, **kwargs)
-    marker = os.path.join(os.path.dirname(root), "killed_once")
-    if step == 3 and not os.path.exists(marker):
-        open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return path
-loop.save_checkpoint = save_then_die
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def test_server_step_relaunched_and_trainer_failure_restarts_the_job(slurm, tiny_model_dir, tmp_path):
     """The server process is SIGKILLed after step 1: the job script starts its step again on
     the same port and trainer rank 0 catches it up. Then the trainer SIGKILLs itself after
     recover/step3: the script restarts servers and trainers, which resume at step 3."""
-    (tmp_path / "kill.py").write_text(KILL_AFTER_STEP3)
+    (tmp_path / "kill.py").write_text(kill_once_after_checkpoint(rank=0, step=3))
     env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "arealite.launcher.slurm", "--wait", str(tmp_path / "kill.py"), RECIPE,
            "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "4",
