@@ -416,3 +416,23 @@ class ToolAgentGRPOConfig(GRPOConfig):
     agent: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig(max_turns=3, turn_discount=1.0))
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     tool_role: str = "user"  # chat role of tool output ("tool" for templates that have one)
+
+
+@dataclass
+class ProxyConfig:
+    """The OpenAI-compatible training proxy (arealite/agent/proxy.py) and its sessions."""
+
+    host: str = "127.0.0.1"  # bind address (loopback: only agents on this machine can reach it)
+    port: int = 0  # 0 = a free port, chosen when the proxy starts
+    session_timeout: float = 300.0  # an episode's agent that runs longer is stopped and its group dropped [s]
+    max_request_bytes: int = 16 << 20  # largest accepted request body [bytes]
+    model: str = "arealite"  # the model name /v1/models lists and replies carry
+    describe_tools: bool = True  # tools in the system message when the chat template ignores `tools`
+
+
+@dataclass
+class ProxyAgentGRPOConfig(GRPOConfig):
+    """Top-level config of recipes/agents/*: GRPO over episodes of an agent behind the training proxy."""
+
+    experiment_name: str = "proxy_agent"
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
