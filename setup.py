@@ -25,6 +25,7 @@ setup(
         "tqdm",
         "matplotlib",  # the run report's plots (arealite/report.py)
         "peft>=0.17",  # LoRA (actor.lora / critic.lora): PEFT's LoRA layers
+        "psutil",  # per-core CPU utilisation and this run's own CPU time (arealite/utils/cpu.py)
     ],
     extras_require={
         "test": ["pytest>=8", "ray>=2.40",  # the Ray launcher's tests run a real 2-node Ray cluster

@@ -5,7 +5,9 @@ The console line: ``step k/N``, the key metrics, the ETA (mean wall time of the 
 ``ETA_WINDOW`` steps × steps left) and the last held-out score (``eval/*``, with the weight
 version it evaluated). wandb is an optional import (``pip install wandb`` or the package's
 ``wandb`` extra); ``WANDB_MODE=offline`` (or ``logger.wandb.mode offline``) writes the run under
-``log_dir/wandb`` without network.
+``log_dir/wandb`` without network. Rank 0 also measures the CPU (:mod:`arealite.utils.cpu`): each
+step's record gets ``cpu/busy_core{i}``, ``cpu/busy_mean``, ... (since the previous step), the
+summary ``cpu/run_*`` (since the logger was created) and a ``cpu over the run:`` console line.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import os
 import time
 from typing import Any
+
+from arealite.utils.cpu import CpuSampler, format_run_stats
 
 ETA_WINDOW = 10  # steps averaged for the ETA
 
@@ -73,7 +77,9 @@ class StatsLogger:
         self.wandb_run = None
         self._commit_times: list[float] = []
         self.last_eval: tuple[str, float, float | None] | None = None  # (key, value, version)
+        self.cpu: CpuSampler | None = None
         if rank == 0:
+            self.cpu = CpuSampler().start()
             from torch.utils.tensorboard import SummaryWriter
 
             project = getattr(wandb_config, "project", "") if wandb_config is not None else ""
@@ -100,6 +106,7 @@ class StatsLogger:
         """Log scalar ``stats`` of training step ``step`` (0-based)."""
         if self.rank != 0:
             return
+        stats = {**stats, **self.cpu.mark()}
         for k, v in stats.items():
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
@@ -124,13 +131,17 @@ class StatsLogger:
             return
         for k, v in stats.items():
             self.writer.add_scalar(k, v, step)
-        self.jsonl.write(json.dumps({"step": step, "time": time.time(), "summary": stats}) + "\n")
+        cpu = self.cpu.run_stats()
+        self.jsonl.write(json.dumps({"step": step, "time": time.time(), "summary": {**stats, **cpu}}) + "\n")
         self.jsonl.flush()
         if self.wandb_run is not None:
-            self.wandb_run.summary.update(stats)
+            self.wandb_run.summary.update({**stats, **cpu})
         print("summary: " + " | ".join(f"{k} {v:.4g}" for k, v in stats.items()), flush=True)
+        print(format_run_stats(cpu), flush=True)
 
     def close(self) -> None:
+        if self.cpu is not None:
+            self.cpu.stop()
         if self.writer is not None:
             self.writer.close()
             self.jsonl.close()
