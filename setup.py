@@ -29,7 +29,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "ray>=2.40",  # the Ray launcher's tests run a real 2-node Ray cluster
-                 "wandb>=0.17"],  # the offline-mode test of the stats logger
+                 "wandb>=0.17",  # the offline-mode test of the stats logger
+                 # agents written for these clients, trained through the proxy (tests/test_proxy.py, recipes/agents)
+                 "openai>=1.60", "openai-agents>=0.2", "langgraph>=0.3", "langchain-openai>=0.3"],
         "wandb": ["wandb>=0.17"],  # --logger.wandb.project (optional)
         "ray": ["ray>=2.40"],  # python -m arealite.launcher.ray
         "sglang": ["sglang>=0.4.9.post2"],
