@@ -315,6 +315,9 @@ def _check_dataset(d: "DatasetConfig", p: str) -> None:
             raise ConfigError(p + "path", f"{d.path!r}: pass a .jsonl file, or null/'arithmetic' for the embedded task")
         if not os.path.isfile(d.path):
             raise ConfigError(p + "path", f"dataset file {d.path!r} does not exist")
+    if d.instruction is not None and (isinstance(d, SFTDatasetConfig) or not isinstance(d.instruction, str)):
+        raise ConfigError(p + "instruction", f"{d.instruction!r}: pass a string appended to each math prompt "
+                          "('' = the bare question), or null for the format's default; SFT/preference data take none")
     if isinstance(d, SFTDatasetConfig):
         _number(d, p, "max_length", integer=True, ge=2, fix="prompt + response tokens kept per row")
 

@@ -131,6 +131,9 @@ class DatasetConfig:
     size: int | None = None  # rows to use (after a seeded shuffle); None = all/default
     batch_size: int = 8  # prompts per step over all ranks
     shuffle: bool = True
+    # text appended to each question (math prompts); None = the format's own (arithmetic:
+    # "\nAnswer with just the number.", GSM8K: "... at the end.", MATH: "\nPut the final answer in \\boxed{}.")
+    instruction: str | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ stores its ``state_dict()`` under the key ``"data"``.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
@@ -21,15 +22,25 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 def load_rows(field: str, cfg, split: str, seed: int, loader: Callable) -> list[dict]:
     """``loader(cfg.path, split, cfg.size, seed)`` whose ``FileNotFoundError`` / ``ValueError``
-    name the config field, e.g. ``train_dataset.path='x.jsonl': file not found``.
+    name the config field, e.g. ``train_dataset.path='x.jsonl': file not found``. A set
+    ``cfg.instruction`` is passed as ``instruction=`` (the math loaders' prompt instruction).
 
     Args:
         field: the config section, e.g. ``"train_dataset"``.
-        cfg: a :class:`~arealite.api.config.DatasetConfig` (``path``, ``size``).
+        cfg: a :class:`~arealite.api.config.DatasetConfig` (``path``, ``size``, ``instruction``).
         loader: e.g. :func:`arealite.dataset.math_data.load_dataset`.
+
+    Raises:
+        ValueError: ``cfg.instruction`` is set but ``loader`` takes no ``instruction``.
     """
+    kwargs = {}
+    if getattr(cfg, "instruction", None) is not None:
+        if "instruction" not in inspect.signature(loader).parameters:
+            raise ValueError(f"{field}.instruction is set but this recipe's dataset loader "
+                             f"{getattr(loader, '__name__', loader)!r} takes no instruction; drop the flag")
+        kwargs["instruction"] = cfg.instruction
     try:
-        return loader(cfg.path, split, cfg.size, seed)
+        return loader(cfg.path, split, cfg.size, seed, **kwargs)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"{field}.path={cfg.path!r}: {e}") from None
 

@@ -7,6 +7,12 @@ Every row is a dict::
 ``question`` is the raw problem text, ``messages`` is the chat prompt (question
 plus an answer-format instruction), and ``answer`` is the reference final answer
 to score with :func:`arealite.reward.math.math_reward`.
+
+The instruction is the format's default (``ARITHMETIC_INSTRUCTION``, ``GSM8K_INSTRUCTION``,
+``MATH_INSTRUCTION``) unless ``instruction=`` is given (config: ``train_dataset.instruction`` /
+``valid_dataset.instruction``): that text is appended to the question verbatim, so it carries its
+own separator (``"\\nThink step by step."``) and ``""`` gives the bare question. Benchmarks set
+it so that every system they compare sees the same prompt text.
 """
 
 from __future__ import annotations
@@ -36,6 +42,21 @@ _FORMATS_HELP = (
     "file in GSM8K format (fields question/answer, answer ending in '#### N') "
     "or MATH format (fields problem/answer)"
 )
+
+
+def _instruction(instruction: str | None, default: str) -> str:
+    """``instruction``, or ``default`` when it is None.
+
+    Raises:
+        ValueError: ``instruction`` is not a string (names the config field).
+    """
+    if instruction is None:
+        return default
+    if not isinstance(instruction, str):
+        raise ValueError(f"instruction must be a string appended to each question (e.g. "
+                         f"'\\nAnswer with just the number.'; '' = none) or None for the format's default, "
+                         f"got {instruction!r}; set train_dataset.instruction / valid_dataset.instruction")
+    return instruction
 
 
 def _row(question: str, instruction: str, answer: str) -> dict:
@@ -78,7 +99,7 @@ def arithmetic_pool(split: str) -> list[tuple[int, int]]:
     ]
 
 
-def make_arithmetic_dataset(split: str, size: int, seed: int = 0) -> list[dict]:
+def make_arithmetic_dataset(split: str, size: int, seed: int = 0, instruction: str | None = None) -> list[dict]:
     """The embedded, seeded arithmetic task: two-digit additions ``a + b``.
 
     Operands come from ``ARITHMETIC_OPERAND_RANGE`` (10..99).  Question text is
@@ -96,13 +117,16 @@ def make_arithmetic_dataset(split: str, size: int, seed: int = 0) -> list[dict]:
         size: number of distinct problems (0 < size <= pool size; the train pool
             has ~7300 pairs and the test pool ~800).
         seed: sampling seed; same (split, size, seed) -> identical rows.
+        instruction: appended to each question; None = ``ARITHMETIC_INSTRUCTION``.
 
     Returns:
         List of row dicts (see module docstring).
 
     Raises:
-        ValueError: on an unknown split, or size < 1 or larger than the pool.
+        ValueError: on an unknown split, size < 1 or larger than the pool, or a
+            non-string instruction.
     """
+    instruction = _instruction(instruction, ARITHMETIC_INSTRUCTION)
     pool = arithmetic_pool(split)
     if not isinstance(size, int) or size < 1 or size > len(pool):
         raise ValueError(
@@ -110,7 +134,7 @@ def make_arithmetic_dataset(split: str, size: int, seed: int = 0) -> list[dict]:
             f"be between 1 and the pool size {len(pool)}"
         )
     pairs = random.Random(seed).sample(pool, size)
-    return [_row(f"What is {a} + {b}?", ARITHMETIC_INSTRUCTION, str(a + b)) for a, b in pairs]
+    return [_row(f"What is {a} + {b}?", instruction, str(a + b)) for a, b in pairs]
 
 
 # ---------------------------------------------------------------- jsonl
@@ -155,15 +179,16 @@ def _field(path: str, lineno: int, obj: dict, name: str, fix: str) -> str:
     return val
 
 
-def load_gsm8k_jsonl(path: str) -> list[dict]:
+def load_gsm8k_jsonl(path: str, instruction: str | None = None) -> list[dict]:
     """Load a GSM8K-format jsonl file (fields ``question``, ``answer``).
 
     The reference answer is the text after the last ``####`` of the ``answer``
     solution (commas removed).  The user message is the question followed by
-    ``GSM8K_INSTRUCTION``.
+    ``instruction`` (None = ``GSM8K_INSTRUCTION``).
 
     Args:
         path: path to the .jsonl file.
+        instruction: appended to each question; None = ``GSM8K_INSTRUCTION``.
 
     Returns:
         List of row dicts in file order.
@@ -175,6 +200,7 @@ def load_gsm8k_jsonl(path: str) -> list[dict]:
             or an ``answer`` without ``#### N``).
     """
     fix = "pass a jsonl with fields question/answer (answer ending in '#### N')"
+    instruction = _instruction(instruction, GSM8K_INSTRUCTION)
     out = []
     for lineno, obj in _read_jsonl(path):
         question = _field(path, lineno, obj, "question", fix)
@@ -185,18 +211,19 @@ def load_gsm8k_jsonl(path: str) -> list[dict]:
             raise ValueError(
                 f"{path}: row {lineno} field 'answer' is malformed: {e}; {fix}"
             ) from None
-        out.append(_row(question, GSM8K_INSTRUCTION, answer))
+        out.append(_row(question, instruction, answer))
     return out
 
 
-def load_math_jsonl(path: str) -> list[dict]:
+def load_math_jsonl(path: str, instruction: str | None = None) -> list[dict]:
     """Load a MATH-format jsonl file (fields ``problem``, ``answer``), e.g. MATH-500.
 
-    The user message is the problem followed by ``MATH_INSTRUCTION``
-    ("Put the final answer in \\boxed{}."); ``question`` is the problem text.
+    The user message is the problem followed by ``instruction`` (None = ``MATH_INSTRUCTION``,
+    "Put the final answer in \\boxed{}."); ``question`` is the problem text.
 
     Args:
         path: path to the .jsonl file.
+        instruction: appended to each problem; None = ``MATH_INSTRUCTION``.
 
     Returns:
         List of row dicts in file order.
@@ -207,11 +234,12 @@ def load_math_jsonl(path: str) -> list[dict]:
             missing/malformed field.
     """
     fix = "pass a jsonl with fields problem/answer"
+    instruction = _instruction(instruction, MATH_INSTRUCTION)
     out = []
     for lineno, obj in _read_jsonl(path):
         problem = _field(path, lineno, obj, "problem", fix)
         answer = _field(path, lineno, obj, "answer", fix).strip()
-        out.append(_row(problem, MATH_INSTRUCTION, answer))
+        out.append(_row(problem, instruction, answer))
     return out
 
 
@@ -241,7 +269,8 @@ def _sniff_format(path: str) -> str:
 
 
 def load_dataset(
-    path: str | None, split: str = "train", size: int | None = None, seed: int = 0
+    path: str | None, split: str = "train", size: int | None = None, seed: int = 0,
+    instruction: str | None = None,
 ) -> list[dict]:
     """Load a math prompt dataset by path.
 
@@ -255,6 +284,8 @@ def load_dataset(
             jsonl: None keeps all rows in file order; an int returns the first
             ``size`` rows after a shuffle with ``random.Random(seed)``.
         seed: seed for arithmetic sampling / jsonl shuffling.
+        instruction: text appended to each question; None = the format's default
+            (see the module docstring).
 
     Returns:
         List of row dicts (see module docstring).
@@ -262,18 +293,19 @@ def load_dataset(
     Raises:
         ValueError: unknown split; unsupported path/format (the message lists the
             accepted formats); ``size`` < 1 or larger than the dataset; malformed
-            rows (see the loaders).
+            rows (see the loaders); a non-string instruction.
         FileNotFoundError: the jsonl file does not exist.
     """
     _check_split(split)
+    _instruction(instruction, "")  # a bad instruction fails before any file is read
     if path is None or path == "arithmetic":
         if size is None:
             size = ARITHMETIC_DEFAULT_SIZE[split]
-        return make_arithmetic_dataset(split, size, seed)
+        return make_arithmetic_dataset(split, size, seed, instruction)
     if not isinstance(path, str) or not path.endswith(".jsonl"):
         raise ValueError(f"unsupported dataset path {path!r}; {_FORMATS_HELP}")
     fmt = _sniff_format(path)
-    rows = load_gsm8k_jsonl(path) if fmt == "gsm8k" else load_math_jsonl(path)
+    rows = load_gsm8k_jsonl(path, instruction) if fmt == "gsm8k" else load_math_jsonl(path, instruction)
     if size is None:
         return rows
     if not isinstance(size, int) or size < 1 or size > len(rows):
