@@ -72,8 +72,6 @@ def test_grpo_on_two_ray_nodes_servers_on_one_trainers_on_the_other(cluster, tin
     assert "finished" in log
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 19): only trainer rank 0 watches the servers, so "
-                   "rank 1's requests can fail while the killed server restarts (about 1 run in 4)")
 def test_server_killed_and_trainer_rank_killed_the_job_recovers(cluster, tiny_model_dir, tmp_path):
     """The server process is SIGKILLed after step 1: Ray restarts its actor, rank 0 catches it up
     (disk weights, current version) and readmits it. Then trainer rank 1 SIGKILLs itself after

@@ -21,7 +21,10 @@ Protocol subset: ``../shared/reference/inference-protocols.md`` §1 and §3.
   failed attempts ``agenerate`` raises :class:`ServerTimeoutError` (a ``TimeoutError``) or
   :class:`ServerError`, so a stalled server costs at most
   ``request_retries × request_timeout`` plus the backoff sleeps (1 s, 2 s, … between attempts
-  on the same server; none when another server is live).
+  on the same server; none when another server is live). A refused connection to a server
+  that the launcher restarts (``restart_hook`` claims it; every rank has one when
+  ``rollout.max_server_restarts > 0``) costs no attempt: the request waits, up to
+  ``rollout.setup_timeout``, until that server is readmitted or another one is live.
 * Backends: SGLang's protocol (``backend`` "local" and "sglang") or vLLM's OpenAI
   ``/v1/completions`` (``backend`` "vllm"), through the small adapters below.
 """
@@ -149,6 +152,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._excluded: set[str] = set()  # missed a control call (e.g. a weight update): never used again
         self.restarting: set[str] = set()  # being restarted by the launcher (readmit() when caught up)
         self.restart_hook = None  # set by the launcher: fn(addr) -> True if it restarts that server
+        self.on_destroy: list = []  # callables run by destroy() (e.g. stop the launcher's watcher)
         self.sync_lock = threading.Lock()  # held from pause_generation to continue_generation
         self._sync_held = False
         self.last_disk_update: tuple[str, int] | None = None  # (folder, version) of the last disk load
@@ -158,6 +162,12 @@ class RemoteInferenceEngine(InferenceEngine):
     def initialize(self) -> None:
         """Wait until every server answers ``GET /health`` (``rollout.setup_timeout``)."""
         wait_healthy(self.addresses, self.config.setup_timeout)
+
+    def destroy(self) -> None:
+        """Run the :attr:`on_destroy` callbacks (the launcher stops watching the servers)."""
+        for fn in self.on_destroy:
+            fn()
+        self.on_destroy = []
 
     # -- server choice -----------------------------------------------------------------------
     def live_addresses(self) -> list[str]:
@@ -209,7 +219,10 @@ class RemoteInferenceEngine(InferenceEngine):
         # Least outstanding requests among live servers; if all are dead, the one whose mark
         # expires first (it may have come back).
         usable = ([a for a in self.addresses if a not in self._excluded and a not in self.restarting]
-                  or [a for a in self.addresses if a not in self._excluded] or self.addresses)
+                  or [a for a in self.addresses if a not in self._excluded])
+        if not usable:
+            raise ServerError(f"every server is excluded ({sorted(self._excluded)}): they missed a weight "
+                              "update or were not back in time after a restart; see the log")
         pool = live or [min(usable, key=lambda a: self._dead_until[a])]
         addr = min(pool, key=lambda a: self._outstanding[a])
         self._rid_to_addr[rid] = addr
@@ -254,7 +267,9 @@ class RemoteInferenceEngine(InferenceEngine):
         one after a backoff)."""
         last: Exception | None = None
         attempts = max(1, self.config.request_retries)
-        for attempt in range(attempts):
+        attempt = 0
+        restart_deadline = time.monotonic() + self.config.setup_timeout
+        while attempt < attempts:
             if self.restarting and not self.live_addresses():
                 await self._wait_for_restart(0.0)  # never to a restarted server before its catch-up
             addr = self._choose_server(rid)
@@ -263,13 +278,22 @@ class RemoteInferenceEngine(InferenceEngine):
                 return await self._apost_once(addr, self.adapter.generate_endpoint, payload)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = e
-                logger.warning("%s%s attempt %d/%d failed: %r", addr, self.adapter.generate_endpoint,
-                               attempt + 1, attempts, e)
                 self.mark_dead(addr)
+                # A server the launcher restarts (nothing listens there now) costs no attempt:
+                # the request waits for it (or another live server), up to rollout.setup_timeout.
+                if (isinstance(e, aiohttp.ClientConnectionError) and self.restart_hook is not None
+                        and time.monotonic() < restart_deadline
+                        and await asyncio.to_thread(self.restart_hook, addr)):
+                    logger.warning("%s%s failed (%r): the server is restarting; the request waits for it",
+                                   addr, self.adapter.generate_endpoint, e)
+                    continue
+                attempt += 1
+                logger.warning("%s%s attempt %d/%d failed: %r", addr, self.adapter.generate_endpoint,
+                               attempt, attempts, e)
             finally:
                 self._outstanding[addr] -= 1
-            if attempt + 1 < attempts and not self.live_addresses():
-                await self._wait_for_restart(2**attempt)
+            if attempt < attempts and not self.live_addresses():
+                await self._wait_for_restart(2 ** (attempt - 1))
         raise self._give_up(f"{self.adapter.generate_endpoint} (rid {rid})", last)
 
     # -- generation ----------------------------------------------------------------------------

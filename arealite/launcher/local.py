@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from arealite.api.config import InferenceEngineConfig
 from arealite.engine.adapters import VLLMAdapter
-from arealite.engine.remote import RemoteInferenceEngine, post_control, wait_healthy
+from arealite.engine.adapters import ServerError
+from arealite.engine.remote import RemoteInferenceEngine, post_control, post_json, wait_healthy
 
 logger = logging.getLogger("arealite.launcher")
 
@@ -229,6 +230,11 @@ class ServerSupervisor(threading.Thread):
     def __init__(self, engine: RemoteInferenceEngine, config: InferenceEngineConfig, poll_s: float = 0.5):
         super().__init__(name="arealite-server-supervisor", daemon=True)
         self.engine, self.config, self.poll_s = engine, config, poll_s
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Restart nothing any more (the engine is destroyed: the run is ending)."""
+        self.stopped.set()
 
     def claim(self, addr: str) -> bool:
         """The client's ``restart_hook``: True (and ``addr`` marked restarting) when ``addr`` failed
@@ -236,7 +242,7 @@ class ServerSupervisor(threading.Thread):
         rec = _LAUNCHED.get(addr)
         if addr in self.engine.restarting:
             return True  # the restart is already under way
-        if rec is None or _STOPPING.is_set() or rec.restarts >= self.config.max_server_restarts:
+        if rec is None or _STOPPING.is_set() or self.stopped.is_set() or rec.restarts >= self.config.max_server_restarts:
             return False
         try:
             rec.proc.wait(timeout=2.0)  # a refused connection: the process is exiting or gone
@@ -246,9 +252,10 @@ class ServerSupervisor(threading.Thread):
         return True
 
     def run(self) -> None:
-        while not _STOPPING.wait(self.poll_s):
+        while not _STOPPING.wait(self.poll_s) and not self.stopped.is_set():
             for addr, rec in list(_LAUNCHED.items()):
-                if addr in self.engine.addresses and rec.proc.poll() is not None and not _STOPPING.is_set():
+                if (addr in self.engine.addresses and rec.proc.poll() is not None and not _STOPPING.is_set()
+                        and not self.stopped.is_set()):
                     try:
                         self._restart(addr, rec)
                     except Exception:  # noqa: BLE001 - the run goes on with the other servers
@@ -313,6 +320,10 @@ class ServerWatcher(threading.Thread):
         self.awaiting_push: set[str] = set()  # distributed sync: caught up by the next push
         self.stopped = threading.Event()
 
+    def stop(self) -> None:
+        """Watch no more (the engine is destroyed: servers going away now are not faults)."""
+        self.stopped.set()
+
     def _refused(self, addr: str) -> bool:
         """True when nothing listens at ``addr`` (a timeout is not a death: the server may be busy)."""
         host, _, port = addr.rpartition(":")
@@ -329,7 +340,7 @@ class ServerWatcher(threading.Thread):
         failed a call because nothing listens there any more."""
         if addr in self.engine.restarting:
             return True
-        if self.stopped.is_set() or not self._refused(addr):
+        if self.stopped.is_set() or addr in self.engine._excluded or not self._refused(addr):
             return False
         self._down(addr)
         return True
@@ -369,6 +380,48 @@ class ServerWatcher(threading.Thread):
                     logger.exception("catching up restarted server %s failed; it is excluded", addr)
                     engine.restarting.discard(addr)
                     engine.exclude_servers([addr], "its catch-up failed")
+
+
+class ServerFollower(ServerWatcher):
+    """Trainer ranks ≠ 0 (any launcher, when ``rollout.max_server_restarts > 0``): rank 0 restarts
+    and catches up the servers (:class:`ServerSupervisor`, :class:`ServerWatcher`); this rank
+    only has to stop using a server while that happens. A server that refuses connections is
+    marked restarting in this rank's client (its requests wait instead of failing,
+    ``RemoteInferenceEngine._generate_segment``); it is readmitted when it answers again *and*
+    reports a weight version ≥ this rank's (:meth:`RemoteInferenceEngine.get_version`), i.e.
+    once rank 0 has brought it to the current weights — a restarted server reports version 0,
+    which is current only before the first update. A server that does not reach that state
+    within ``rollout.setup_timeout`` is excluded on this rank.
+    """
+
+    def _server_version(self, addr: str) -> int | None:
+        method, endpoint, body = self.engine.adapter.weight_version_request
+        try:
+            v = self.engine.adapter.parse_weight_version(post_json(addr, endpoint, body, timeout=10, retries=1,
+                                                                   method=method))
+        except ServerError:
+            return None  # not up yet, or busy loading
+        return 0 if v is None else int(v)
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self.stopped.wait(self.poll_s):
+            for addr in [a for a in engine.addresses if a not in engine._excluded]:
+                if addr not in engine.restarting:
+                    if self._refused(addr):
+                        self._down(addr)
+                    continue
+                if not self._refused(addr):
+                    v = self._server_version(addr)
+                    if v is not None and v >= engine.get_version():
+                        logger.warning("server %s is back at weight version %d (rank 0 caught it up) after %.1f s",
+                                       addr, v, time.monotonic() - self.down_since.pop(addr, time.monotonic()))
+                        engine.readmit(addr)
+                        continue
+                if time.monotonic() - self.down_since.get(addr, time.monotonic()) > self.config.setup_timeout:
+                    engine.restarting.discard(addr)
+                    engine.exclude_servers([addr], "not back at the current weights within "
+                                           f"rollout.setup_timeout={self.config.setup_timeout} s")
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
@@ -447,8 +500,12 @@ def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_di
         addresses = obj[0]
     engine = RemoteInferenceEngine(config, addresses)
     engine.initialize()
-    if dist.get_rank() == 0 and config.max_server_restarts > 0:
-        watcher = ServerWatcher(engine, config) if config.addresses else ServerSupervisor(engine, config)
+    if config.max_server_restarts > 0:
+        if dist.get_rank() != 0:
+            watcher = ServerFollower(engine, config)
+        else:
+            watcher = ServerWatcher(engine, config) if config.addresses else ServerSupervisor(engine, config)
         engine.restart_hook = watcher.claim
+        engine.on_destroy.append(watcher.stop)
         watcher.start()
     return engine
