@@ -227,6 +227,9 @@ def _parse_args(argv):
     p.add_argument("--launch", action="store_true", help="launch our server(s) for this evaluation")
     p.add_argument("--n-servers", type=int, default=1, help="--launch: servers to start")
     p.add_argument("--concurrency", type=int, default=64, help="servers: requests in flight")
+    p.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="servers: seconds one /generate call may take (long sampled answers at high "
+                        "concurrency on a CPU take minutes; a timed-out call is generated again)")
     p.add_argument("--output", default="", help="per-problem jsonl")
     p.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = all cores)")
     args = p.parse_args(argv)
@@ -237,6 +240,8 @@ def _parse_args(argv):
     args.ks = sorted({int(k) for k in args.k.split(",") if k} or {1, args.n_samples})
     if not all(1 <= k <= args.n_samples for k in args.ks):
         p.error(f"--k {args.k}: every k must be in 1..--n-samples ({args.n_samples})")
+    if not args.request_timeout > 0:
+        p.error(f"--request-timeout {args.request_timeout}: must be > 0 seconds")
     if args.addresses and args.launch:
         p.error("--addresses and --launch exclude each other")
     return args
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.addresses or args.launch:
         from arealite.engine.remote import RemoteInferenceEngine
 
-        cfg = InferenceEngineConfig(backend=args.backend, n_servers=args.n_servers,
+        cfg = InferenceEngineConfig(backend=args.backend, n_servers=args.n_servers, request_timeout=args.request_timeout,
                                     server_threads=args.num_threads or os.cpu_count() or 1)
         addrs = [a for a in args.addresses.split(",") if a]
         if args.launch:
