@@ -248,6 +248,7 @@ def test_malformed_requests_get_a_clear_400_and_unknown_sessions_404(tiny_model_
         ({"messages": msgs, "stream": "yes"}, "stream"),
         ({"messages": msgs, "tools": [{"type": "retrieval"}]}, "tools[0]"),
         ({"messages": msgs, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": msgs, "stop": ["\n"]}, "stop"),
         ({"messages": msgs, "temperature": 0.3}, "temperature"),  # not the trainer's temperature
     ]
 

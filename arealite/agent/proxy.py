@@ -20,7 +20,7 @@ Endpoints (JSON; errors are OpenAI-style ``{"error": {"message", "type", "param"
   template ignores ``tools``, a description of them is appended to the system message, see
   :func:`tools_system_text`), ``tool_choice`` ``auto``/``none`` only, ``temperature`` (must equal the
   trainer's, as for ``ArealOpenAI``), ``top_p``, ``max_tokens`` / ``max_completion_tokens``,
-  ``n = 1``, ``stream`` (true: server-sent ``chat.completion.chunk`` events, then
+  ``n = 1`` (no ``stop`` sequences), ``stream`` (true: server-sent ``chat.completion.chunk`` events, then
   ``data: [DONE]``; the reply is generated whole, then sent). Other fields are ignored.
 - ``GET /v1/models`` and ``GET /s/<id>/v1/models``.
 - ``POST /s/<id>/reward`` (alias ``/s/<id>/rl/set_reward``, AReaL's name): ``{"reward": float}``,
@@ -178,6 +178,9 @@ def parse_request(body: Any) -> dict[str, Any]:
     if choice not in (None, "auto", "none"):
         raise BadRequest(f"'tool_choice'={choice!r}: only 'auto' and 'none' are supported (the proxy cannot "
                          "force a call)", "tool_choice")
+    if body.get("stop"):
+        raise BadRequest(f"'stop'={body['stop']!r}: stop sequences are not supported by the training proxy (the "
+                         "recorded ids must be exactly the sampled ones); stop in the agent instead", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream'={stream!r}: must be true or false", "stream")

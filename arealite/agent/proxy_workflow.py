@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shlex
+import threading
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -85,20 +86,27 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         self.env, self.cwd = dict(env or {}), cwd
         self.stats = {"episodes": 0, "timed_out": 0, "failed": 0}
         self._proxies: dict[Any, asyncio.Task] = {}  # event loop -> task starting its proxy
+        self._lock = threading.Lock()  # the executor's loop and an evaluation thread's loop
 
     async def proxy(self) -> TrainingProxy:
         """The proxy serving this event loop (started on first use; the engine's HTTP session
         and the episodes live on this loop)."""
         loop = asyncio.get_running_loop()
-        for other in [lp for lp in self._proxies if lp is not loop and lp.is_closed()]:
-            del self._proxies[other]  # e.g. an evaluation's asyncio.run loop
-        if loop not in self._proxies:
-            self._proxies[loop] = loop.create_task(TrainingProxy(self.tokenizer, self.gconfig, self.config).start())
-        return await self._proxies[loop]
+        with self._lock:
+            for other in [lp for lp in self._proxies if lp is not loop and lp.is_closed()]:
+                del self._proxies[other]  # e.g. an evaluation's asyncio.run loop
+            if loop not in self._proxies:
+                # a fixed proxy.port serves the first loop; another (an evaluation's) takes a free port
+                config = replace(self.config, port=0) if self._proxies else self.config
+                proxy = TrainingProxy(self.tokenizer, self.gconfig, config)
+                self._proxies[loop] = loop.create_task(proxy.start())
+            task = self._proxies[loop]
+        return await task
 
     async def aclose(self) -> None:
         """Stop the proxy of the running event loop."""
-        task = self._proxies.pop(asyncio.get_running_loop(), None)
+        with self._lock:
+            task = self._proxies.pop(asyncio.get_running_loop(), None)
         if task is not None:
             await (await task).aclose()
 

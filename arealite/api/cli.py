@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from arealite.api.config import (DatasetConfig, DPOAlgoConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig,
+from arealite.api.config import (DatasetConfig, DPOAlgoConfig, EvalConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig,
                                  LoRAConfig, MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
 from arealite.api.config import LauncherConfig
@@ -310,9 +310,10 @@ def _check_inference(r: "InferenceEngineConfig", p: str) -> None:
 def _check_dataset(d: "DatasetConfig", p: str) -> None:
     _number(d, p, "size", integer=True, ge=1, optional=True, fix="None = all rows")
     _number(d, p, "batch_size", integer=True, ge=1)
-    if d.path not in (None, "arithmetic"):
+    if d.path not in (None, "arithmetic", "multiplication"):  # generated tasks (dataset/math_data, multiplication)
         if not isinstance(d.path, str) or not d.path.endswith(".jsonl"):
-            raise ConfigError(p + "path", f"{d.path!r}: pass a .jsonl file, or null/'arithmetic' for the embedded task")
+            raise ConfigError(p + "path", f"{d.path!r}: pass a .jsonl file, or null/'arithmetic' for the embedded task "
+                              "('multiplication' in recipes/agents/multiply_tool.py)")
         if not os.path.isfile(d.path):
             raise ConfigError(p + "path", f"dataset file {d.path!r} does not exist")
     if d.instruction is not None and (isinstance(d, SFTDatasetConfig) or not isinstance(d.instruction, str)):
@@ -345,6 +346,12 @@ def _check_dpo_algo(a: "DPOAlgoConfig", p: str) -> None:
 
 def _check_saver(s: "SaverConfig", p: str) -> None:
     _number(s, p, "freq_steps", integer=True, ge=0, fix="0 = only at the end")
+
+
+def _check_eval(e: "EvalConfig", p: str) -> None:
+    _number(e, p, "freq_steps", integer=True, ge=0, fix="0 = never")
+    _number(e, p, "n_samples", integer=True, ge=1, fix="1 = greedy")
+    _number(e, p, "temperature", gt=0, fix="use n_samples 1 for greedy")
 
 
 def _check_recover(r: "RecoverConfig", p: str) -> None:
@@ -489,6 +496,6 @@ _CHECKS += [
     (GenerationConfig, _check_generation), (OptimizerConfig, _check_optimizer), (MicroBatchSpec, _check_mb_spec),
     (TrainEngineConfig, _check_train_engine), (InferenceEngineConfig, _check_inference),
     (DatasetConfig, _check_dataset), (GRPOAlgoConfig, _check_grpo_algo), (DPOAlgoConfig, _check_dpo_algo),
-    (SaverConfig, _check_saver), (RecoverConfig, _check_recover), (MultiTurnConfig, _check_multi_turn),
+    (SaverConfig, _check_saver), (EvalConfig, _check_eval), (RecoverConfig, _check_recover), (MultiTurnConfig, _check_multi_turn),
     (SandboxConfig, _check_sandbox), (LoRAConfig, _check_lora), (LauncherConfig, _check_launcher),
 ]

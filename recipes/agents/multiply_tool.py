@@ -1,0 +1,90 @@
+"""GRPO on 3–4 digit multiplication with a Python tool, the agent written with the `openai` package
+and trained through the proxy (a task the model cannot do without the tool).
+
+    python recipes/agents/multiply_tool.py --config recipes/configs/multiply_tool.yaml
+    python recipes/agents/multiply_tool.py --config recipes/configs/multiply_tool.yaml --eval-only [--no-tool]
+
+The system prompt describes the tool: a ```python block that prints the result runs in
+`arealite.sandbox`, and its output comes back as a message; a reply without code is the final
+answer, rewarded 1 if its last integer is the exact product (`multiplication_reward`).
+`--eval-only` prints the greedy held-out success of `actor.path` (`--no-tool`: without the tool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from openai import AsyncOpenAI
+
+from arealite.agent.proxy_workflow import ProxyAgentWorkflow
+from arealite.algorithms.grpo import GRPO
+from arealite.api.cli import load_config
+from arealite.api.config import ProxyAgentGRPOConfig
+from arealite.dataset.multiplication import load_multiplication, multiplication_reward
+from arealite.launcher.rl_loop import run_rl
+from arealite.sandbox import SandboxConfig, arun_python
+from arealite.workflow.tool_agent import AFTER_OUTPUT, extract_code
+
+SYSTEM = ("You can run Python. To compute something, reply with only a Python code block that prints it, "
+          "like this:\n```python\nprint(3 * 4 + 5)\n```\nYou will see its output. Then reply with just the "
+          "final number.")
+MAX_TURNS, MAX_TOKENS = 3, 48
+SANDBOX = SandboxConfig(timeout=5.0, cpu_time=5, memory_mb=512)
+
+
+async def tool_agent(data: dict, base_url: str, api_key: str) -> float:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": data["question"]}]
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        for _ in range(MAX_TURNS):
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=MAX_TOKENS)
+            text = reply.choices[0].message.content
+            code = extract_code(text)
+            if code is None:
+                return multiplication_reward(text, data["answer"])
+            result = await arun_python(code, SANDBOX)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"Output:\n```output\n{result.observation()}\n```\n{AFTER_OUTPUT}"}]
+    return 0.0
+
+
+async def no_tool_agent(data: dict, base_url: str, api_key: str) -> float:
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        reply = await client.chat.completions.create(model="policy", messages=data["messages"], max_tokens=MAX_TOKENS)
+    return multiplication_reward(reply.choices[0].message.content, data["answer"])
+
+
+def build(config: ProxyAgentGRPOConfig, tokenizer, dump_dir, agent=tool_agent) -> ProxyAgentWorkflow:
+    return ProxyAgentWorkflow(agent, tokenizer, config.gconfig, config=config.proxy)
+
+
+def evaluate(config: ProxyAgentGRPOConfig, tool: bool = True) -> dict:
+    """Greedy held-out success of ``config.actor.path`` on ``valid_dataset`` (one local server)."""
+    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.launcher.local import launch_servers
+    from arealite.utils.hf import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(config.actor.path)
+    rows = load_multiplication(config.valid_dataset.path, "test", config.valid_dataset.size, config.seed)
+    engine = RemoteInferenceEngine(config.rollout, launch_servers(config.rollout, path, config.output_dir + "/eval_logs"))
+    engine.initialize()
+    try:
+        workflow = build(config, load_tokenizer(path), None, tool_agent if tool else no_tool_agent)
+        return asyncio.run(workflow.aevaluate(engine, rows))
+    finally:
+        engine.destroy()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = {f for f in ("--eval-only", "--no-tool") if f in argv}
+    config = load_config(ProxyAgentGRPOConfig, [a for a in argv if a not in flags])
+    if "--eval-only" in flags:
+        result = evaluate(config, tool="--no-tool" not in flags)
+        print(f"held-out greedy ({'no tool' if '--no-tool' in flags else 'tool'}): {result}", flush=True)
+        return result
+    return run_rl(config, GRPO.from_config, build, dataset_loader=load_multiplication)
+
+
+if __name__ == "__main__":
+    main()

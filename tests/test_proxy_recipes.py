@@ -1,0 +1,72 @@
+"""Each agent example under recipes/agents/ (the openai package in a subprocess, the OpenAI Agents
+SDK with a function tool, LangGraph on langchain-openai, the multiplication tool agent) runs one
+episode through the proxy against a scripted engine, with the reward and turns its logic implies;
+plus the multiplication data set's split and reward."""
+
+import asyncio
+import os
+import runpy
+
+import pytest
+from transformers import AutoTokenizer
+
+from arealite.api.config import GenerationConfig, ProxyAgentGRPOConfig
+from arealite.dataset.multiplication import (load_multiplication, make_multiplication_dataset,
+                                             multiplication_reward, pair_split)
+from conftest import REPO_ROOT
+from test_proxy import ScriptedEngine
+
+ROW = {"messages": [{"role": "user", "content": "What is 12 + 30?\nAnswer with just the number."}], "answer": "42"}
+MUL = {"question": "What is 123 * 45?", "answer": "5535",
+       "messages": [{"role": "user", "content": "What is 123 * 45?\nAnswer with just the number."}]}
+
+
+def retry_reply(prompt):  # wrong first, right after the feedback
+    return "It is 42" if "Wrong. Try again." in prompt else "41"
+
+
+def tool_reply(prompt):  # call the tool, then answer with its result
+    if "<|im_start|>tool" in prompt:
+        return "The product is 5535."
+    return '<tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 45}}</tool_call>'
+
+
+def code_reply(prompt):  # a code block, then the number the sandbox printed
+    return "5535" if "```output\n5535" in prompt else "```python\nprint(123 * 45)\n```"
+
+
+@pytest.mark.parametrize("example,needs,row,reply,reward", [
+    ("openai_agent.py", "openai", ROW, retry_reply, 0.9),
+    ("langgraph_agent.py", "langgraph", ROW, retry_reply, 0.9),
+    ("openai_agents_sdk.py", "agents", MUL, tool_reply, 1.0),
+    ("multiply_tool.py", "openai", MUL, code_reply, 1.0),
+])
+def test_agent_example_runs_one_episode_through_the_proxy(tiny_model_dir, example, needs, row, reply, reward):
+    pytest.importorskip(needs, reason=f"recipes/agents/{example} needs {needs}")
+    pytest.importorskip("langchain_openai" if needs == "langgraph" else needs)
+    module = runpy.run_path(os.path.join(REPO_ROOT, "recipes", "agents", example), run_name="example")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = ProxyAgentGRPOConfig(gconfig=GenerationConfig(n_samples=2, temperature=0.7, max_new_tokens=64))
+    workflow = module["build"](config, tok, None)
+    batch = asyncio.run(workflow.arun_episode(ScriptedEngine(tok, reply), row))
+    assert batch["rewards"].tolist() == pytest.approx([reward, reward]) and batch["turns"].tolist() == [2.0, 2.0]
+    masked = tok.decode(batch["input_ids"][0][~batch["loss_mask"][0].bool()].tolist())
+    fed_back = {retry_reply: "Wrong. Try again.", tool_reply: "<|im_start|>tool\n5535", code_reply: "```output\n5535"}
+    assert fed_back[reply] in masked  # feedback / tool output: in the trajectory, out of the loss
+
+
+def test_multiplication_task_split_and_exact_reward():
+    train, test = make_multiplication_dataset("train", 300, seed=3), make_multiplication_dataset("test", 100, seed=3)
+    assert train == make_multiplication_dataset("train", 300, seed=3)  # seeded
+    pairs = lambda rows: {tuple(int(x) for x in r["question"][8:-1].split(" * ")) for r in rows}
+    assert not pairs(train) & pairs(test) and len(pairs(train)) == 300  # disjoint, distinct
+    assert all(pair_split(a, b) == "test" for a, b in pairs(test))
+    for (a, b), r in zip(sorted(pairs(test)), sorted(test, key=lambda r: r["question"])):
+        assert 100 <= a <= 9999 and 100 <= b <= 9999
+    assert all(r["answer"] == str(eval(r["question"][8:-1])) for r in train)
+    assert multiplication_reward("So 123 * 45 = 5,535", "5535") == 1.0
+    assert multiplication_reward("5535 is close, it is 5536", "5535") == 0.0
+    assert multiplication_reward("no idea", "5535") == 0.0
+    assert load_multiplication("multiplication", "test", 5, 3) == test[:5]
+    with pytest.raises(ValueError, match="split"):
+        make_multiplication_dataset("valid", 5)
