@@ -124,6 +124,18 @@ async def agenerate_engine(engine, tokenizer, prompts: list[list[int]], n_sample
     return [list(texts[i * n_samples : (i + 1) * n_samples]) for i in range(len(prompts))]
 
 
+async def aevaluate_samples(engine, tokenizer, rows: list[dict], n_samples: int, gconfig: GenerationConfig,
+                            concurrency: int = 64) -> dict[str, float]:
+    """``n_samples`` completions per row through ``engine`` (:func:`agenerate_engine`), scored with
+    :func:`~arealite.reward.math.math_reward`: ``{"pass@1", "pass@n", "maj@n"}`` in that order
+    (:func:`~arealite.utils.metrics.summarize`; the progress line shows the first); the in-loop
+    form of :func:`main` (``evaluator.n_samples > 1``)."""
+    prompts = [tokenize_chat(tokenizer, r["messages"]) for r in rows]
+    texts = await agenerate_engine(engine, tokenizer, prompts, n_samples, gconfig, concurrency)
+    metrics = summarize(score(rows, texts), [n_samples])
+    return {k: metrics[k] for k in ("pass@1", f"pass@{n_samples}", f"maj@{n_samples}")}
+
+
 def score(rows: list[dict], completions: list[list[str]],
           reward_fn: Callable[[str, str], float] = math_reward) -> list[dict]:
     """Per-problem records: ``question``, ``answer``, ``completions``, ``correct`` (reward > 0.5

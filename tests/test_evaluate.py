@@ -122,3 +122,47 @@ def test_background_evaluator_returns_once_with_the_version():
     res = ev.poll(wait=None)
     assert res["eval/accuracy"] == 0.25 and res["eval/version"] == 3.0 and res["eval/time_s"] >= 0.2
     assert ev.poll() == {}
+
+
+def test_in_loop_sampled_evaluation_scores_pass_and_majority(tiny_model_dir):
+    """``evaluator.n_samples > 1``: :func:`aevaluate_samples` through an engine whose completions
+    are scripted per problem. Problem A (answer 4): samples 4, 5, 4, 4 -> 3/4 correct, majority 4
+    (right); problem B (answer 7): 1, 7, 1, 2 -> 1/4 correct, majority 1 (wrong).
+    pass@1 = (3/4 + 1/4)/2 = 0.5; pass@4 = 1 (both have a correct sample); maj@4 = 1/2."""
+    from arealite.api.config import GenerationConfig
+    from arealite.api.io_struct import ModelResponse
+    from arealite.evaluate import aevaluate_samples
+    from arealite.utils.hf import load_tokenizer, tokenize_chat
+
+    tok = load_tokenizer(tiny_model_dir)
+    rows = [{"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"},
+            {"messages": [{"role": "user", "content": "3+4?"}], "answer": "7"}]
+    script = {tuple(tokenize_chat(tok, rows[0]["messages"])): ["4", "5", "4", "4"],
+              tuple(tokenize_chat(tok, rows[1]["messages"])): ["1", "7", "1", "2"]}
+    seen: dict[tuple, int] = {}
+
+    class Scripted:
+        async def agenerate(self, req):
+            assert req.gconfig.temperature == 0.7 and not req.gconfig.greedy and req.gconfig.n_samples == 1
+            key = tuple(req.input_ids)
+            i = seen[key] = seen.get(key, -1) + 1
+            return ModelResponse(input_tokens=list(req.input_ids),
+                                 output_tokens=tok.encode(f"The answer is {script[key][i]}.", add_special_tokens=False))
+
+        async def aclose(self):
+            pass
+
+    res = asyncio.run(aevaluate_samples(Scripted(), tok, rows, 4, GenerationConfig(max_new_tokens=8, temperature=0.7)))
+    assert seen == {k: 3 for k in script}  # 4 samples of each problem
+    assert res == {"pass@1": 0.5, "pass@4": 1.0, "maj@4": 0.5}
+    assert list(res) == ["pass@1", "pass@4", "maj@4"]  # the progress line shows the first
+
+
+def test_evaluator_fields_are_checked(tmp_path):
+    from arealite.api.cli import ConfigError, validate_config
+    from arealite.api.config import EvalConfig
+
+    for field, value in (("n_samples", 0), ("temperature", 0.0), ("freq_steps", -1)):
+        cfg = EvalConfig(**{field: value})
+        with pytest.raises(ConfigError, match=f"evaluator.{field}|{field}"):
+            validate_config(cfg)

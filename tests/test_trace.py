@@ -114,7 +114,7 @@ def run_tiny_rl(root, *extra, steps=3, check=True):
 
 
 def test_three_step_run_trace_has_the_tracks_and_agrees_with_stats(tiny_model_dir, tmp_path):
-    out, proc = run_tiny_rl(tmp_path, tiny_model_dir)
+    out, proc = run_tiny_rl(tmp_path, tiny_model_dir, "--evaluator.n_samples", "2")
     events = json.load(open(out / "trace.json"))["traceEvents"]
     procs, tracks = _names(events)
     stats = [json.loads(line) for line in open(out / "stats.jsonl")]
@@ -142,7 +142,10 @@ def test_three_step_run_trace_has_the_tracks_and_agrees_with_stats(tiny_model_di
         assert 0.3 * train["dur"] < sum(e["dur"] for e in inner) <= train["dur"] + 1
     # every trained sample was generated: at least 3 steps × 4 prompts × 2 samples request spans
     assert sum(e["name"] == "generate" for _, e in spans) >= 24
-    assert [s for s in steps if "eval/version" in s]  # the in-loop evaluation is logged with its version
+    # the in-loop evaluation (2 samples per problem) is logged with the version it evaluated
+    evals = [s for s in steps if "eval/version" in s]
+    assert evals and all({"eval/pass@1", "eval/pass@2", "eval/maj@2"} <= set(s) for s in evals)
+    assert all(s["eval/version"] <= s["step"] + 1 for s in evals)
 
 
 def test_periodic_flush_runs_in_the_background_and_the_final_save_wins(tmp_path):

@@ -226,11 +226,17 @@ class LoggerConfig:
 
 @dataclass
 class EvalConfig:
-    """Greedy held-out accuracy on ``valid_dataset`` through the inference servers."""
+    """Held-out evaluation on ``valid_dataset`` through the inference servers: greedy accuracy
+    (the workflow's ``aevaluate``) at the start and end; every ``freq_steps`` steps in the
+    background, greedy too, or with ``n_samples > 1`` sampled completions at ``temperature``
+    scored as ``pass@1``, ``pass@n`` (Chen et al. 2021, Eq. 1) and ``maj@n``, the metrics of
+    ``python -m arealite.evaluate`` (math answers, :func:`arealite.reward.math.math_reward`)."""
 
     at_start: bool = True  # evaluate the initial weights before training
     at_end: bool = True  # evaluate the final weights after training
     freq_steps: int = 0  # also every N steps, in the background against the servers (0 = never) [steps]
+    n_samples: int = 1  # in-loop evaluations: completions per problem (1 = greedy accuracy)
+    temperature: float = 0.7  # in-loop evaluations with n_samples > 1: sampling temperature
 
 
 @dataclass

@@ -38,12 +38,13 @@ import yaml
 
 from arealite.algorithms.grpo import DynamicSampling
 from arealite.api.cli import check_model_fits, load_config, to_dict, validate_config
+from arealite.api.config import GenerationConfig
 from arealite.api.workflow import RolloutWorkflow
 from arealite.dataset.loader import EpochLoader, load_rows, make_dataloader
 from arealite.dataset.math_data import load_dataset
 from arealite.engine.fsdp import FSDPEngine, init_distributed
 from arealite.engine.lora import LoRAReference
-from arealite.evaluate import BackgroundEvaluator
+from arealite.evaluate import BackgroundEvaluator, aevaluate_samples
 from arealite.report import write_report
 from arealite.launcher.local import make_inference_engine, trainer_threads
 from arealite.launcher.weight_update import sync_weights
@@ -134,8 +135,6 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     validate_config(config, world_size=world)  # also for configs built in Python (no load_config)
     if getattr(getattr(config, "logger", None), "wandb", None) is not None and config.logger.wandb.project:
         require_wandb()  # a clear ImportError before anything is loaded
-    if getattr(config.evaluator, "freq_steps", 0) < 0:
-        raise ValueError(f"evaluator.freq_steps={config.evaluator.freq_steps}: must be >= 0 (0 = never)")
 
     # Data, model path, tokenizer, the workflow's own checks (cheap, before anything expensive or written).
     train_rows = load_rows("train_dataset", config.train_dataset, "train", config.seed, dataset_loader)
@@ -189,8 +188,14 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     executor.staleness.trace_process = f"rollout rank {rank}"
     trace_path = os.path.join(out, "trace.json" if rank == 0 else f"trace_rank{rank}.json")
     # In-loop evaluation every evaluator.freq_steps steps: rank 0, a background thread, never waited for.
-    bg_eval = (BackgroundEvaluator(lambda: base_workflow.aevaluate(rollout, valid_rows))
-               if rank == 0 and config.evaluator.freq_steps else None)
+    # Greedy (the workflow's aevaluate) or, with evaluator.n_samples > 1, pass@1 / pass@n / maj@n.
+    ev = config.evaluator
+    bg_eval = None
+    if rank == 0 and ev.freq_steps:
+        sampled = GenerationConfig(max_new_tokens=config.gconfig.max_new_tokens, temperature=ev.temperature)
+        bg_eval = BackgroundEvaluator(
+            (lambda: aevaluate_samples(rollout, tokenizer, valid_rows, ev.n_samples, sampled)) if ev.n_samples > 1
+            else (lambda: base_workflow.aevaluate(rollout, valid_rows)))
     weight_dir = os.path.join(out, "weight_update")
 
     def evaluate(when: str) -> dict[str, float]:  # greedy held-out episodes through the servers (rank 0)
