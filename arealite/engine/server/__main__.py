@@ -37,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--parent-pid", type=int, default=0,
                    help="exit when this process is gone (set by arealite's launcher); 0 = never")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--access-log", action="store_true",
+                   help="log every HTTP request (aiohttp's access log; off by default: one line per "
+                        "/generate floods the logs that launchers stream)")
     p.add_argument("--decode-step-delay", type=float, default=0.0,
                    help="testing aid: seconds to sleep after each decode step, so that "
                         "pause/update timing can be exercised with tiny, fast models")
@@ -47,6 +50,8 @@ def main(argv=None):
     """Load the model, start the scheduler thread and serve HTTP until interrupted."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not args.access_log:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     torch.set_num_threads(args.num_threads)
     if args.parent_pid:
         from arealite.utils.proc import exit_when_parent_dies
