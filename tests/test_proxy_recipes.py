@@ -31,17 +31,17 @@ def tool_reply(prompt):  # call the tool, then answer with its result
     return '<tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 45}}</tool_call>'
 
 
-def code_reply(prompt):  # a code block, then the number the sandbox printed
-    return "5535" if "```output\n5535" in prompt else "```python\nprint(123 * 45)\n```"
+def code_reply(prompt):  # a program that prints the product (its output is the answer)
+    return "```python\nprint(123 * 45)\n```" if "Use Python" in prompt else "no code"
 
 
-@pytest.mark.parametrize("example,needs,row,reply,reward", [
-    ("openai_agent.py", "openai", ROW, retry_reply, 0.9),
-    ("langgraph_agent.py", "langgraph", ROW, retry_reply, 0.9),
-    ("openai_agents_sdk.py", "agents", MUL, tool_reply, 1.0),
-    ("multiply_tool.py", "openai", MUL, code_reply, 1.0),
+@pytest.mark.parametrize("example,needs,row,reply,reward,turns", [
+    ("openai_agent.py", "openai", ROW, retry_reply, 0.9, 2),
+    ("langgraph_agent.py", "langgraph", ROW, retry_reply, 0.9, 2),
+    ("openai_agents_sdk.py", "agents", MUL, tool_reply, 1.0, 2),
+    ("multiply_tool.py", "openai", MUL, code_reply, 1.0, 1),
 ])
-def test_agent_example_runs_one_episode_through_the_proxy(tiny_model_dir, example, needs, row, reply, reward):
+def test_agent_example_runs_one_episode_through_the_proxy(tiny_model_dir, example, needs, row, reply, reward, turns):
     pytest.importorskip(needs, reason=f"recipes/agents/{example} needs {needs}")
     pytest.importorskip("langchain_openai" if needs == "langgraph" else needs)
     module = runpy.run_path(os.path.join(REPO_ROOT, "recipes", "agents", example), run_name="example")
@@ -49,10 +49,12 @@ def test_agent_example_runs_one_episode_through_the_proxy(tiny_model_dir, exampl
     config = ProxyAgentGRPOConfig(gconfig=GenerationConfig(n_samples=2, temperature=0.7, max_new_tokens=64))
     workflow = module["build"](config, tok, None)
     batch = asyncio.run(workflow.arun_episode(ScriptedEngine(tok, reply), row))
-    assert batch["rewards"].tolist() == pytest.approx([reward, reward]) and batch["turns"].tolist() == [2.0, 2.0]
+    assert batch["rewards"].tolist() == pytest.approx([reward, reward]) and batch["turns"].tolist() == [turns] * 2
     masked = tok.decode(batch["input_ids"][0][~batch["loss_mask"][0].bool()].tolist())
-    fed_back = {retry_reply: "Wrong. Try again.", tool_reply: "<|im_start|>tool\n5535", code_reply: "```output\n5535"}
-    assert fed_back[reply] in masked  # feedback / tool output: in the trajectory, out of the loss
+    fed_back = {retry_reply: "Wrong. Try again.", tool_reply: "<|im_start|>tool\n5535", code_reply: "Use Python"}
+    assert fed_back[reply] in masked  # feedback / tool output / instructions: in the trajectory, out of the loss
+    if example == "multiply_tool.py":  # the same reply without running the code scores 0: the tool decides
+        assert module["multiplication_reward"]("```python\nprint(123 * 45)\n```", "5535") == 0.0
 
 
 def test_multiplication_task_split_and_exact_reward():

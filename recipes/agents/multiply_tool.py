@@ -4,10 +4,11 @@ and trained through the proxy (a task the model cannot do without the tool).
     python recipes/agents/multiply_tool.py --config recipes/configs/multiply_tool.yaml
     python recipes/agents/multiply_tool.py --config recipes/configs/multiply_tool.yaml --eval-only [--no-tool]
 
-The system prompt describes the tool: a ```python block that prints the result runs in
-`arealite.sandbox`, and its output comes back as a message; a reply without code is the final
-answer, rewarded 1 if its last integer is the exact product (`multiplication_reward`).
-`--eval-only` prints the greedy held-out success of `actor.path` (`--no-tool`: without the tool).
+Program of thought (Chen et al. 2022, arXiv 2211.12588): the system prompt describes the tool; a
+reply with a ```python block is run in `arealite.sandbox` and what it prints is the answer; a
+reply without code is its own answer. Reward 1 if the answer's last integer is the exact product
+(`multiplication_reward`). `--eval-only` prints the greedy held-out success of `actor.path`
+(`--no-tool`: the bare question, no tool).
 """
 
 from __future__ import annotations
@@ -24,28 +25,32 @@ from arealite.api.config import ProxyAgentGRPOConfig
 from arealite.dataset.multiplication import load_multiplication, multiplication_reward
 from arealite.launcher.rl_loop import run_rl
 from arealite.sandbox import SandboxConfig, arun_python
-from arealite.workflow.tool_agent import AFTER_OUTPUT, extract_code
+from arealite.workflow.tool_agent import extract_code
 
-SYSTEM = ("You can run Python. To compute something, reply with only a Python code block that prints it, "
-          "like this:\n```python\nprint(3 * 4 + 5)\n```\nYou will see its output. Then reply with just the "
-          "final number.")
-MAX_TURNS, MAX_TOKENS = 3, 48
+SYSTEM = ("You have a Python tool: a ```python code block in your reply is run, and what it prints is your "
+          "answer.")
+INSTRUCTION = "\nUse Python: reply with only a Python code block that prints the answer."
+MAX_TOKENS = 48
 SANDBOX = SandboxConfig(timeout=5.0, cpu_time=5, memory_mb=512)
 
 
-async def tool_agent(data: dict, base_url: str, api_key: str) -> float:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": data["question"]}]
+async def tool_agent(data: dict, base_url: str, api_key: str, system: bool = True) -> float:
+    """Program-of-thought: a reply with a code block is answered by what the code prints."""
+    messages = [{"role": "user", "content": data["question"] + INSTRUCTION}]
+    if system:
+        messages.insert(0, {"role": "system", "content": SYSTEM})
     async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        for _ in range(MAX_TURNS):
-            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=MAX_TOKENS)
-            text = reply.choices[0].message.content
-            code = extract_code(text)
-            if code is None:
-                return multiplication_reward(text, data["answer"])
-            result = await arun_python(code, SANDBOX)
-            messages += [{"role": "assistant", "content": text},
-                         {"role": "user", "content": f"Output:\n```output\n{result.observation()}\n```\n{AFTER_OUTPUT}"}]
-    return 0.0
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=MAX_TOKENS)
+    text = reply.choices[0].message.content
+    code = extract_code(text)
+    if code is None:
+        return multiplication_reward(text, data["answer"])
+    result = await arun_python(code, SANDBOX)
+    return multiplication_reward(result.output if result.ok else "", data["answer"])
+
+
+async def tool_agent_no_system(data: dict, base_url: str, api_key: str) -> float:
+    return await tool_agent(data, base_url, api_key, system=False)
 
 
 async def no_tool_agent(data: dict, base_url: str, api_key: str) -> float:
