@@ -39,6 +39,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -268,9 +270,17 @@ class TrainingProxy:
         ])
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.config.host, self.config.port))
+        except OSError as e:
+            sock.close()
+            await self._runner.cleanup()
+            raise OSError(f"proxy.host={self.config.host!r} proxy.port={self.config.port}: cannot bind ({e}); "
+                          "use port 0 for a free one") from e
+        await web.SockSite(self._runner, sock).start()
+        self.port = sock.getsockname()[1]
         logger.info("training proxy listening on %s", self.url)
         return self
 
@@ -279,7 +289,8 @@ class TrainingProxy:
         """``http://HOST:PORT`` (the server root)."""
         if self.port is None:
             raise RuntimeError("TrainingProxy.start() was not awaited")
-        return f"http://{self.config.host}:{self.port}"
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"http://{host}:{self.port}"
 
     async def aclose(self) -> None:
         if self._runner is not None:
@@ -338,7 +349,7 @@ class TrainingProxy:
         try:
             body = await self._json(request)
             reward = body.get("reward") if isinstance(body, dict) else None
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
                 raise BadRequest(f"'reward'={reward!r}: must be a finite number", "reward")
         except BadRequest as e:
             self.stats["bad_requests"] += 1
