@@ -125,9 +125,9 @@ def test_shipped_configs_pass_validation(monkeypatch):
     root = os.path.join(REPO_ROOT, "recipes", "configs")
     classes = {"dpo": DPOConfig, "grpo": GRPOConfig, "gspo": GRPOConfig, "multi": MultiTurnGRPOConfig,
                "ppo": PPOConfig, "sft": SFTConfig, "tool": ToolAgentGRPOConfig}
-    from arealite.api.config import GSPOConfig
+    from arealite.api.config import GSPOConfig, ProxyAgentGRPOConfig
 
-    classes["gspo"] = GSPOConfig
+    classes.update(gspo=GSPOConfig, multiply=ProxyAgentGRPOConfig, proxy=ProxyAgentGRPOConfig)
     for name in sorted(os.listdir(root)):
         load_config(classes[name.split("_")[0]], ["--config", os.path.join(root, name)])
 
