@@ -3,6 +3,7 @@ arealite/utils/stats_logger.py."""
 
 import json
 import os
+import time
 import sys
 import types
 
@@ -53,5 +54,12 @@ def test_wandb_offline_writes_its_run_folder(tmp_path, monkeypatch):
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 1
     logs = [f for f in os.listdir(tmp_path / "wandb" / runs[0]) if f.endswith(".wandb")]
-    record = open(tmp_path / "wandb" / runs[0] / logs[0], "rb").read()  # what `wandb sync` uploads
+    # What `wandb sync` uploads. wandb's service process writes it; on a loaded machine the last
+    # records can land a moment after finish() returns.
+    path, deadline = tmp_path / "wandb" / runs[0] / logs[0], time.monotonic() + 60
+    while True:
+        record = open(path, "rb").read()
+        if (b"rollout/reward" in record and b"eval/accuracy_end" in record) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert b"rollout/reward" in record and b"eval/accuracy_end" in record

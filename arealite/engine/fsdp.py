@@ -69,7 +69,7 @@ def init_distributed() -> None:
         return
     if "RANK" not in os.environ:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("", 0))  # the wildcard address, as TCPStore binds: a port free on every interface
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
