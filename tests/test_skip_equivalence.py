@@ -27,8 +27,12 @@ def results(tmp_path_factory):
     model = save_tiny_model(str(d / "model"), seed=0, initializer_range=0.2)
     ref = save_tiny_model(str(d / "ref"), seed=1, initializer_range=0.2)
     out = d / "out.json"
+    # A test that ran init_distributed() in this pytest process left RANK / MASTER_PORT in
+    # os.environ (its TCPStore holds that port): the script must make its own 1-rank group.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, SCRIPT, model, ref, str(out)], capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          timeout=240, env=dict(env, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.load(open(out))
 
