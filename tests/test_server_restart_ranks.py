@@ -11,14 +11,12 @@ same port, as Ray or Slurm would restart it.
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-import torch
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
@@ -26,14 +24,9 @@ from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json
 from arealite.launcher.local import ServerFollower, ServerWatcher
 
 from conftest import save_tiny_model
+from test_remote import _free_port, _teacher_forced
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(model: str, port: int) -> subprocess.Popen:
@@ -62,13 +55,6 @@ def _generate_in_thread(engine, n: int, max_new_tokens: int, out: dict) -> threa
 @pytest.fixture()
 def two_models(tmp_path, tiny_model_dir):
     return tiny_model_dir, save_tiny_model(str(tmp_path / "v1"), seed=3)
-
-
-def _teacher_forced(model, prompt, output):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
-    steps = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
-    return steps.gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
 def test_rank1_requests_wait_for_the_restart_and_its_catch_up(two_models):
