@@ -21,7 +21,8 @@ Metrics (:mod:`arealite.utils.metrics`): ``pass@1`` = mean accuracy over all sam
 ``maj@k`` = majority vote over the first k samples' extracted final answers. A sample is correct
 when :func:`arealite.reward.math.math_reward` gives it 1. Prints one table row per data set and a
 JSON line; ``--output file.jsonl`` gets one record per problem (question, answer, completions,
-per-sample correctness and extracted answers).
+per-sample correctness and extracted answers, and its ``index`` in the data set), written and
+flushed as soon as the problem's last sample is done, so an interrupted run keeps what it finished.
 
 :class:`BackgroundEvaluator` runs an evaluation coroutine in its own thread, so the RL loop
 (:mod:`arealite.launcher.rl_loop`, ``evaluator.freq_steps``) never waits for it.
@@ -104,24 +105,31 @@ def generate_hf(model_path: str, prompts: list[list[int]], n_samples: int, gconf
 
 
 async def agenerate_engine(engine, tokenizer, prompts: list[list[int]], n_samples: int,
-                           gconfig: GenerationConfig, concurrency: int = 64) -> list[list[str]]:
+                           gconfig: GenerationConfig, concurrency: int = 64,
+                           on_problem: Callable[[int, list[str]], None] | None = None) -> list[list[str]]:
     """Like :func:`generate_hf` through an :class:`~arealite.api.engine.InferenceEngine`
     (``agenerate``, at most ``concurrency`` requests in flight; the samples of one prompt share a
-    ``rid`` so they go to one server)."""
+    ``rid`` so they go to one server). ``on_problem(i, texts)`` is called as soon as all samples of
+    prompt ``i`` are done, so a caller can write each problem's record before the others finish."""
     sem = asyncio.Semaphore(concurrency)
     gconfig = GenerationConfig(**{**gconfig.__dict__, "n_samples": 1})
+    texts: list[list[str | None]] = [[None] * n_samples for _ in prompts]
+    left = [n_samples] * len(prompts)
 
-    async def one(prompt, rid):
+    async def one(i, j, prompt, rid):
         async with sem:
             resp = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=gconfig, rid=rid))
-        return tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+        texts[i][j] = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+        left[i] -= 1
+        if left[i] == 0 and on_problem is not None:
+            on_problem(i, list(texts[i]))
 
     base = f"eval-{time.time_ns()}"
     try:
-        texts = await asyncio.gather(*[one(p, f"{base}-{i}") for i, p in enumerate(prompts) for _ in range(n_samples)])
+        await asyncio.gather(*[one(i, j, p, f"{base}-{i}") for i, p in enumerate(prompts) for j in range(n_samples)])
     finally:
         await engine.aclose()
-    return [list(texts[i * n_samples : (i + 1) * n_samples]) for i in range(len(prompts))]
+    return [list(t) for t in texts]
 
 
 async def aevaluate_samples(engine, tokenizer, rows: list[dict], n_samples: int, gconfig: GenerationConfig,
@@ -290,15 +298,21 @@ def main(argv: list[str] | None = None) -> dict:
         rows = load_dataset(dpath, "test", args.size or None, args.seed)
         prompts = [tokenize_chat(tok, r["messages"]) for r in rows]
         t0 = time.time()
+
+        def write(i, c, name=name, rows=rows):  # one record per problem, flushed as soon as it is done
+            if out_f:
+                out_f.write(json.dumps({"dataset": name, "index": i, **score([rows[i]], [c])[0]}) + "\n")
+                out_f.flush()
+
         if engine is None:
             texts = generate_hf(path, prompts, args.n_samples, gconfig, args.batch_size, args.seed)
+            for i, c in enumerate(texts):
+                write(i, c)
         else:
-            texts = asyncio.run(agenerate_engine(engine, tok, prompts, args.n_samples, gconfig, args.concurrency))
+            texts = asyncio.run(agenerate_engine(engine, tok, prompts, args.n_samples, gconfig, args.concurrency,
+                                                 on_problem=write))
         records = score(rows, texts)
         results[name] = {**summarize(records, args.ks), "time_s": time.time() - t0}
-        if out_f:
-            for rec in records:
-                out_f.write(json.dumps({"dataset": name, **rec}) + "\n")
     if out_f:
         out_f.close()
     print(format_table(results))

@@ -84,6 +84,7 @@ def test_cli_through_a_launched_server_matches_greedy_hf(tiny_model_dir, tmp_pat
     hf, _ = _cli(tmp_path, tiny_model_dir, "--dataset", "arithmetic")
     served, recs = _cli(tmp_path, tiny_model_dir, "--dataset", "arithmetic", "--launch", "--n-samples", "2")
     assert all(r["completions"][0] == r["completions"][1] for r in recs)  # greedy: identical samples
+    assert sorted(r["index"] for r in recs) == [0, 1, 2]  # one record per problem, written as each finishes
     assert served["arithmetic"]["pass@1"] == pytest.approx(hf["arithmetic"]["pass@1"])
 
 
