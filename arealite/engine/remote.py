@@ -169,6 +169,12 @@ class RemoteInferenceEngine(InferenceEngine):
             fn()
         self.on_destroy = []
 
+    def requests_in_flight(self) -> int:
+        """Generation calls of this client now waiting on a server (all event loops; a plain read
+        of per-server counters, safe from any thread). Core sharing (:mod:`arealite.launcher.cores`)
+        gives the trainer the servers' cores while this is 0."""
+        return sum(self._outstanding.values())
+
     # -- server choice -----------------------------------------------------------------------
     def live_addresses(self) -> list[str]:
         """Servers not marked dead (a dead mark expires after ``DEAD_SERVER_COOLDOWN`` s), not

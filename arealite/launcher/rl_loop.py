@@ -46,6 +46,7 @@ from arealite.engine.fsdp import FSDPEngine, init_distributed
 from arealite.engine.lora import LoRAReference
 from arealite.evaluate import BackgroundEvaluator, aevaluate_samples
 from arealite.report import write_report
+from arealite.launcher.cores import core_sharing_for
 from arealite.launcher.local import make_inference_engine, trainer_threads
 from arealite.launcher.weight_update import sync_weights
 from arealite.rollout.executor import WorkflowExecutor
@@ -181,6 +182,14 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         ref = FSDPEngine(config.actor, temperature=temperature, trainable=False)
         ref.initialize(model_path)
     algo = build_algorithm(config, actor, ref)
+    # Core sharing: a CPU trainer also takes the launched servers' cores while no request runs.
+    cores = core_sharing_for(config.rollout, config.actor.num_threads, rollout, world, actor.device)
+    if cores is not None:
+        for engine in {id(e): e for e in (actor, ref, getattr(algo, "critic", None)) if hasattr(e, "model")}.values():
+            cores.install(engine.model)
+        print(f"core sharing: the trainer uses {cores.base} thread(s) while generation runs and "
+              f"{cores.base + cores.extra} while the servers are idle (--rollout.share_idle_cores false: static split)",
+              flush=True)
     stats_logger = StatsLogger(out, rank, config.total_train_steps, getattr(getattr(config, "logger", None), "wandb", None),
                                to_dict(config))
     # Timeline (trace.json, arealite/utils/trace.py): this rank's spans, its servers' requests, the gate.
@@ -225,12 +234,15 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         version = step  # weights the servers hold = completed updates
         # 1. Rollouts: asynchronous; generation of the next batches continues during training.
         t0 = time.time()
+        shared_before = cores.shared_s if cores is not None else 0.0
         batch = executor.prepare_batch(loader, workflow)
         t1 = time.time()
         # 2. The algorithm's update (advantages, proximal logprobs, minibatches, …).
         stats = algo.update(batch)
         t2 = time.time()
         # 3. Weight sync: pause → push → servers load → version bump → resume.
+        if cores is not None:
+            cores.release()  # generation resumes after the sync: the servers get their cores back
         sync_weights(actor, rollout, executor, weight_dir, version + 1)
         t3 = time.time()
         for name, a, b in (("rollout-wait", t0, t1), ("train", t1, t2), ("weight-sync", t2, t3)):
@@ -243,6 +255,7 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         stats.update({
             "time/gen_wait_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
             "time/train_start": t1, "time/train_end": t2,
+            **({"cpu/shared_cores_s": cores.shared_s - shared_before} if cores is not None else {}),
             "perf/trained_tokens_per_s": stats["rollout/n_tokens"] / (t3 - t0),
             "perf/trained_samples_per_s": trained_samples / (t3 - run_start),
         })
