@@ -215,6 +215,7 @@ def test_hanging_session_times_out_and_no_episode_is_lost_or_mixed(tiny_model_di
             time.sleep(0.05)
         assert (stat.submitted, stat.accepted, stat.rejected, stat.failed) == (5, 4, 1, 0)
         assert workflow.stats == {"episodes": 8, "timed_out": 2, "failed": 0}
+        assert workflow.counters() == {"episodes": 8.0, "timed_out": 2.0, "failed": 0.0}  # logged as workflow/*
         assert engine.peak >= 2  # sessions really ran concurrently
         import httpx  # a late request of the timed-out session is refused, never recorded elsewhere
         late = httpx.post(hung_urls[0] + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})

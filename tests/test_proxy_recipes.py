@@ -72,3 +72,25 @@ def test_multiplication_task_split_and_exact_reward():
     assert load_multiplication("multiplication", "test", 5, 3) == test[:5]
     with pytest.raises(ValueError, match="split"):
         make_multiplication_dataset("valid", 5)
+
+
+def test_multiply_tool_recipe_trains_through_the_proxy_and_logs_session_counters(tiny_model_dir, tmp_path):
+    """Two GRPO steps of recipes/agents/multiply_tool.py on one rank (tiny random model, our server):
+    every step logs the proxy's cumulative session counters, summed over ranks."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "recipes", "agents", "multiply_tool.py"),
+           "--config", os.path.join(REPO_ROOT, "recipes", "configs", "multiply_tool.yaml"),
+           "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "2",
+           "--gconfig.n_samples", "2", "--gconfig.max_new_tokens", "8", "--rollout.consumer_batch_size", "2",
+           "--train_dataset.batch_size", "2", "--valid_dataset.size", "2", "--evaluator.at_start", "False"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [s for s in map(json.loads, open(tmp_path / "multiply_tool" / "trial0" / "stats.jsonl")) if "summary" not in s]
+    assert [s["step"] for s in steps] == [0, 1]
+    for s in steps:
+        assert s["workflow/timed_out"] == 0 and s["workflow/failed"] == 0
+        # 2 prompts × 2 sessions trained per step; more may have finished ahead (η = 1)
+        assert s["workflow/episodes"] >= 4 * (s["step"] + 1)

@@ -88,6 +88,11 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         self._proxies: dict[Any, asyncio.Task] = {}  # event loop -> task starting its proxy
         self._lock = threading.Lock()  # the executor's loop and an evaluation thread's loop
 
+    def counters(self) -> dict[str, float]:
+        """``episodes`` finished, sessions ``timed_out`` (their groups dropped) and ``failed``
+        (the agent raised or exited non-zero), cumulative; logged as ``workflow/<name>``."""
+        return {k: float(v) for k, v in self.stats.items()}
+
     async def proxy(self) -> TrainingProxy:
         """The proxy serving this event loop (started on first use; the engine's HTTP session
         and the episodes live on this loop)."""

@@ -21,9 +21,16 @@ class RolloutWorkflow(abc.ABC):
     ``stat_keys``: names of extra per-trajectory float tensors [N] in the returned dict whose
     batch mean the training loop logs as ``rollout/<key>`` (e.g. ``turns``). A workflow used by
     the RL loop also has ``aevaluate(engine, rows) -> dict[str, float]`` (held-out evaluation).
+    :meth:`counters` returns cumulative event counts (e.g. timed-out agent sessions) that the loop
+    sums over ranks and logs each step as ``workflow/<name>``.
     """
 
     stat_keys: tuple[str, ...] = ()
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counts since the workflow was built (``{}`` by default); the same keys on
+        every rank (the loop sums them with a collective)."""
+        return {}
 
     @abc.abstractmethod
     async def arun_episode(

@@ -105,6 +105,15 @@ def reward_stats(workflow) -> dict[str, float]:
     return dict(zip(names, all_reduce([float(snapshot[k]) for k in names]))) if names else {}
 
 
+def workflow_counter_stats(workflow) -> dict[str, float]:
+    """``workflow/<name>``: the workflow's cumulative :meth:`~arealite.api.workflow.RolloutWorkflow.counters`
+    summed over the ranks (e.g. ``workflow/timed_out`` of agent sessions); {} when it has none.
+    Collective."""
+    counters = workflow.counters() if hasattr(workflow, "counters") else {}
+    names = sorted(counters)
+    return {f"workflow/{k}": v for k, v in zip(names, all_reduce([float(counters[k]) for k in names]))} if names else {}
+
+
 def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflow,
            dataset_loader: Callable = load_dataset, actor_temperature: float | None = None) -> dict[str, float]:
     """Train ``config.total_train_steps`` asynchronous RL steps; see the module docstring.
@@ -251,6 +260,7 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         # 4. Logging: reward, staleness, overlap evidence, time split.
         stats.update(rollout_stats(batch, version, prev_train_end, executor, base_workflow.stat_keys))
         stats.update(reward_stats(base_workflow))
+        stats.update(workflow_counter_stats(base_workflow))
         trained_samples += int(stats["rollout/n_samples"])
         stats.update({
             "time/gen_wait_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
