@@ -201,7 +201,7 @@ def test_hanging_session_times_out_and_no_episode_is_lost_or_mixed(tiny_model_di
     rows = [{"question": f"Q{i}", "answer": f"A{i}", "hang": i == 2} for i in range(5)]
     engine = ScriptedEngine(tok)
     workflow = ProxyAgentWorkflow(agent, tok, GenerationConfig(n_samples=2, max_new_tokens=8),
-                                  config=ProxyConfig(session_timeout=1.0))
+                                  config=ProxyConfig(session_timeout=5.0))  # ample for a scripted reply on a loaded machine
     executor = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=1, max_concurrent_rollouts=5,
                                                       max_head_offpolicyness=4), engine)
     executor.initialize()
