@@ -53,14 +53,19 @@ def run(trial: str, flags: list[str], args, root: str) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_workload_args(doc: str, prompts: int, samples: int) -> argparse.Namespace:
+    """The workload flags every A/B benchmark on ``grpo_math.py`` shares (see :func:`run`)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    p.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    p.add_argument("--prompts", type=int, default=prompts, help="prompts per step")
+    p.add_argument("--samples", type=int, default=samples, help="completions per prompt")
     p.add_argument("--model-path", default="", help="HF folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more recipe flags")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_workload_args(__doc__, prompts=4, samples=4)
     with tempfile.TemporaryDirectory() as root:
         results = {eta: run(f"eta{eta}", ["--rollout.max_head_offpolicyness", str(eta)], args, root) for eta in (0, 1)}
     for eta, r in results.items():

@@ -13,23 +13,16 @@ Run it with nothing else on the machine: the busy fractions are machine-wide.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from async_vs_sync import run  # noqa: E402
+from async_vs_sync import parse_workload_args, run  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="completions per prompt")
-    p.add_argument("--model-path", default="", help="HF folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more recipe flags")
-    args = p.parse_args()
+    args = parse_workload_args(__doc__, prompts=8, samples=8)
     with tempfile.TemporaryDirectory() as root:
         results = {share: run(f"share{share}", ["--rollout.share_idle_cores", str(share)], args, root)
                    for share in (False, True)}
