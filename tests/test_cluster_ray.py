@@ -75,11 +75,15 @@ def test_grpo_on_two_ray_nodes_servers_on_one_trainers_on_the_other(cluster, tin
 def test_server_killed_and_trainer_rank_killed_the_job_recovers(cluster, tiny_model_dir, tmp_path):
     """The server process is SIGKILLed after step 1: Ray restarts its actor, rank 0 catches it up
     (disk weights, current version) and readmits it. Then trainer rank 1 SIGKILLs itself after
-    recover/step3: the launcher reports the rank, restarts the job, which resumes at step 3."""
+    recover/step5: the launcher reports the rank, restarts the job, which resumes at step 5."""
     c, head, worker = cluster
-    (tmp_path / "kill_rank1.py").write_text(kill_once_after_checkpoint(rank=1, step=3))
+    # Rank 1 dies after recover/step5, not earlier: the batches of steps 1–3 may all be generated
+    # before the server is killed (the tiny model is fast; η = 1 admits them at versions 0–1), but
+    # step 5's batch is admitted only at version 3, after the kill, so the first job must wait for
+    # the restarted server and rank 0 must catch it up before that checkpoint exists.
+    (tmp_path / "kill_rank1.py").write_text(kill_once_after_checkpoint(rank=1, step=5))
     recipe = os.path.join(REPO_ROOT, "recipes", "grpo_math.py")
-    args = [recipe, "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "4",
+    args = [recipe, "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "6",
             "--recover.freq_steps", "1", "--recover.mode", "auto", "--launcher.max_restarts", "1",
             "--evaluator.at_end", "False", *SMALL]
     proc = _launch(c.address, str(tmp_path / "kill_rank1.py"), args, str(tmp_path))
@@ -114,9 +118,9 @@ def test_server_killed_and_trainer_rank_killed_the_job_recovers(cluster, tiny_mo
     assert later and all(min(vs) >= 1 for r in later for vs in r["versions"])
     assert "trainer rank 1 on node" in log and "killed by SIGKILL" in log
     assert "restarting the job from the newest recover checkpoint (restart 1 of 1)" in log
-    assert f"resuming from {out / 'recover' / 'step3'}" in log
+    assert f"resuming from {out / 'recover' / 'step5'}" in log
     rows = _train_rows(out)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # resumed at 3: no step redone or skipped
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # resumed at 5: no step redone or skipped
     for r in rows:
         assert r["rollout/n_samples"] == 8 and r["rollout/staleness_max"] <= 1 and r["rollout/dropped_stale"] == 0
     assert json.load(open(out / "logs" / "placement.json"))["attempt"] == 1

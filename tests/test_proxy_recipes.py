@@ -86,7 +86,11 @@ def test_multiply_tool_recipe_trains_through_the_proxy_and_logs_session_counters
            "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "2",
            "--gconfig.n_samples", "2", "--gconfig.max_new_tokens", "8", "--rollout.consumer_batch_size", "2",
            "--train_dataset.batch_size", "2", "--valid_dataset.size", "2", "--evaluator.at_start", "False"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    # an earlier in-process FSDPEngine test leaves RANK / MASTER_PORT in os.environ (its TCPStore
+    # holds that port): the recipe must make its own 1-rank group
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = [s for s in map(json.loads, open(tmp_path / "multiply_tool" / "trial0" / "stats.jsonl")) if "summary" not in s]
     assert [s["step"] for s in steps] == [0, 1]

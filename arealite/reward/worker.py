@@ -326,8 +326,8 @@ class RewardWorker:
                         # another call's timeout killed our pool: retry once
                         self._replace_pool(gen, kill=False)
                         continue
-                    for p in procs:
-                        p.join(timeout=1.0)
+                    for p in procs:  # the dead worker's exit status tells a memory kill from a crash
+                        p.join(timeout=10.0)  # returns at once for an exited process; 1 s missed it under load
                     if any(p.exitcode == MEMORY_EXIT_CODE for p in procs):
                         logger.warning(
                             "reward worker exceeded max_memory_mb=%s MiB while running %s; "
