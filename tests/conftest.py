@@ -70,3 +70,11 @@ def engine(tiny_model_dir, tmp_path_factory):
     eng.initialize()
     yield eng
     eng.destroy()
+
+
+def env_without_dist(**extra) -> dict:
+    """os.environ without the torch.distributed rendezvous variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT) plus ``extra``: a test that ran init_distributed() in the pytest
+    process leaves them set and its TCPStore holds MASTER_PORT, so a subprocess must make its own group."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from arealite.api.config import GenerationConfig, ProxyAgentGRPOConfig
 from arealite.dataset.multiplication import (load_multiplication, make_multiplication_dataset,
                                              multiplication_reward, pair_split)
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, env_without_dist
 from test_proxy import ScriptedEngine
 
 ROW = {"messages": [{"role": "user", "content": "What is 12 + 30?\nAnswer with just the number."}], "answer": "42"}
@@ -88,9 +88,7 @@ def test_multiply_tool_recipe_trains_through_the_proxy_and_logs_session_counters
            "--train_dataset.batch_size", "2", "--valid_dataset.size", "2", "--evaluator.at_start", "False"]
     # an earlier in-process FSDPEngine test leaves RANK / MASTER_PORT in os.environ (its TCPStore
     # holds that port): the recipe must make its own 1-rank group
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env_without_dist())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = [s for s in map(json.loads, open(tmp_path / "multiply_tool" / "trial0" / "stats.jsonl")) if "summary" not in s]
     assert [s["step"] for s in steps] == [0, 1]

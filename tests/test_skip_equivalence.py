@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, save_tiny_model
+from conftest import REPO_ROOT, env_without_dist, save_tiny_model
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "dist", "skip_equivalence.py")
 
@@ -29,10 +29,8 @@ def results(tmp_path_factory):
     out = d / "out.json"
     # A test that ran init_distributed() in this pytest process left RANK / MASTER_PORT in
     # os.environ (its TCPStore holds that port): the script must make its own 1-rank group.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, SCRIPT, model, ref, str(out)], capture_output=True, text=True,
-                          timeout=240, env=dict(env, OMP_NUM_THREADS="1"))
+                          timeout=240, env=env_without_dist(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.load(open(out))
 
