@@ -246,6 +246,7 @@ def run_arealite(eta: int, args, spec: dict, root: str) -> dict:
            "--rollout.consumer_batch_size", str(args.prompts), "--train_dataset.batch_size", str(args.prompts),
            "--train_dataset.path", data, "--gconfig.n_samples", str(args.samples),
            "--gconfig.max_new_tokens", str(args.max_new_tokens), "--gconfig.temperature", str(args.temperature),
+           "--actor.lora.rank", "0",  # full fine-tuning, as the other systems (the yaml's default is LoRA)
            "--actor.optimizer.lr", str(args.lr), "--actor.optimizer.gradient_clipping", "1.0",
            "--evaluator.at_start", "False", "--evaluator.at_end", "False", "--evaluator.freq_steps", "0",
            "--actor.path", spec["model_path"],

@@ -67,6 +67,9 @@ class MicroBatchSpec:
     max_tokens_per_mb: int = 2048
     packing: bool = True  # run a micro-batch as one packed row (no padding); False = padded rows
     logits_chunk_size: int = 1024  # tokens whose fp32 logits exist at once in the LM head [tokens]
+    # rows that start with the same prompt (a GRPO group, a DPO pair) run it once per micro-batch,
+    # their completions attending to the one copy (packed sdpa/eager rows; exact: docs/engine.md)
+    prefix_sharing: bool = True
 
 
 @dataclass

@@ -142,6 +142,101 @@ def packed_layout(ids: torch.Tensor, lengths: list[int], bins: list[list[int]]):
     return input_ids, position_ids, where
 
 
+def prompt_units(keys: list[tuple], lengths: list[int], cap: int) -> list[tuple[int, list[int]]]:
+    """Rows that start with the same prompt, as the units that share one forward of it.
+
+    Args:
+        keys: per row, its prompt: the token ids before its first ``loss_mask = 1`` token
+            (``()`` = nothing to share).
+        lengths: per row, its real tokens.
+        cap: at most this many packed tokens per unit (prompt once + every row's suffix); a
+            larger group of rows with the same prompt is split into several units, in row order.
+
+    Returns:
+        ``(p, rows)`` units covering every row once, in order of their first row: ``p`` tokens
+        (the prompt) are computed once for all ``rows``; ``p = 0`` for a unit of one row. A
+        unit's packed length is ``p + Σ_rows (length − p)``.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k if k else ("row", i), []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    for k, rows in groups.items():
+        p = len(k) if k and k[0] != "row" else 0
+        cur: list[int] = []
+        fill = p
+        for i in rows:
+            if cur and fill + lengths[i] - p > cap:
+                units.append((p if len(cur) > 1 else 0, cur))
+                cur, fill = [], p
+            cur.append(i)
+            fill += lengths[i] - p
+        units.append((p if len(cur) > 1 else 0, cur))
+    return sorted(units, key=lambda u: u[1][0])
+
+
+def unit_length(unit: tuple[int, list[int]], lengths: list[int]) -> int:
+    """Packed tokens of a :func:`prompt_units` unit: its prompt once plus each row's suffix."""
+    p, rows = unit
+    return p + sum(lengths[i] - p for i in rows)
+
+
+def shared_prompt_layout(ids: torch.Tensor, lengths: list[int], units: list[tuple[int, list[int]]],
+                         bins: list[list[int]]):
+    """Lay rows out as packed rows in which each unit's prompt appears once (prefix sharing).
+
+    ``ids`` [N]: the real tokens, row after row (``lengths``). Unit ``(p, rows)`` occupies
+    ``p`` prompt tokens (positions 0..p−1) followed by each row's suffix (positions p..len−1);
+    ``bins`` pack unit indices into packed rows. A suffix token attends to its unit's prompt and,
+    causally, to its own suffix; a prompt token attends causally to the prompt. This is exactly
+    the attention of each row run on its own, so the hidden states (and their gradients, summed
+    over the rows) are those of the unshared rows. (The same idea: "Prefix Grouper", Liu et al.
+    2025, arXiv:2506.05433.)
+
+    Returns:
+        ``(input_ids [R, C], position_ids [R, C], where [N], allowed [R, 1, C, C] bool)``:
+        ``where[j]`` is the flattened [R·C] position holding row token j (a prompt token of a
+        shared unit: the one shared copy); ``allowed[r, 0, q, k]`` = query q may attend to key
+        k. Filler at the tail of a short row attends only to itself.
+    """
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    sizes = [unit_length(u, lengths) for u in units]
+    C = max(sum(sizes[u] for u in b) for b in bins)
+    R = len(bins)
+    input_ids = ids.new_zeros(R, C)
+    position_ids = torch.zeros(R, C, dtype=torch.long, device=ids.device)
+    seg = -1 - torch.arange(R * C, device=ids.device).view(R, C)  # filler: a segment of its own
+    branch = torch.zeros(R, C, dtype=torch.long, device=ids.device)  # 0 = shared prompt
+    where = torch.empty(ids.shape[0], dtype=torch.long, device=ids.device)
+    for r, b in enumerate(bins):
+        c = 0
+        for u in b:
+            p, rows = units[u]
+            if p:
+                o = starts[rows[0]]
+                input_ids[r, c:c + p] = ids[o:o + p]
+                position_ids[r, c:c + p] = torch.arange(p, device=ids.device)
+                seg[r, c:c + p] = u
+                for i in rows:
+                    where[starts[i]:starts[i] + p] = torch.arange(r * C + c, r * C + c + p, device=ids.device)
+                c += p
+            for k, i in enumerate(rows, start=1):
+                n, o = lengths[i] - p, starts[i] + p
+                input_ids[r, c:c + n] = ids[o:o + n]
+                position_ids[r, c:c + n] = torch.arange(p, p + n, device=ids.device)
+                seg[r, c:c + n] = u
+                branch[r, c:c + n] = k
+                where[o:o + n] = torch.arange(r * C + c, r * C + c + n, device=ids.device)
+                c += n
+    causal = torch.ones(C, C, dtype=torch.bool, device=ids.device).tril()
+    same_seg = seg[:, :, None] == seg[:, None, :]  # [R, C(q), C(k)]
+    visible_branch = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+    allowed = (same_seg & visible_branch & causal)[:, None]  # [R, 1, C, C]
+    return input_ids, position_ids, where, allowed
+
+
 def lr_multiplier(oc: OptimizerConfig, step: int, total_steps: int) -> float:
     """LR factor at optimizer step ``step`` (0-based) of ``total_steps``.
 
@@ -289,24 +384,46 @@ class FSDPEngine(TrainEngine):
         return resolve_attn_implementation(self.config)
 
     # -- micro-batching --------------------------------------------------------------------------
-    def _microbatches(self, batch: Batch) -> list[tuple[Batch, bool]]:
+    def _prefix_sharing(self) -> bool:
+        """Prompts shared within a micro-batch: packed sdpa/eager rows (a 4D mask; flash
+        varlen attention takes none) and ``mb_spec.prefix_sharing``."""
+        return (self.config.mb_spec.packing and self.config.mb_spec.prefix_sharing
+                and self.model.config._attn_implementation in ("sdpa", "eager"))
+
+    def _units(self, batch: Batch, lengths: list[int]) -> list[tuple[int, list[int]]]:
+        """:func:`prompt_units` of ``batch``: a row's prompt is its tokens before its first
+        ``loss_mask = 1`` token; no ``loss_mask`` or no sharing = one unit per row."""
+        if not self._prefix_sharing() or "loss_mask" not in batch:
+            return [(0, [i]) for i in range(len(lengths))]
+        first = (batch["loss_mask"] > 0).float().argmax(1).tolist()  # [B] first loss token
+        has = (batch["loss_mask"] > 0).any(1).tolist()
+        ids = batch["input_ids"]
+        keys = [tuple(ids[i, :first[i]].tolist()) if has[i] else () for i in range(len(lengths))]
+        return prompt_units(keys, lengths, self.config.mb_spec.max_tokens_per_mb)
+
+    def _microbatches(self, batch: Batch) -> list[tuple[Batch, bool, list[int]]]:
         """Split ``batch`` into micro-batches; the same count on every rank.
 
-        Returns (micro-batch on ``self.device`` trimmed of padding, is_dummy) pairs; a dummy
-        (one real row, loss weight forced to 0) fills a slot when a rank has too few rows.
+        Returns (micro-batch on ``self.device`` trimmed of padding, is_dummy, its rows of
+        ``batch``) triples; a dummy (one real row, loss weight forced to 0) fills a slot when a
+        rank has too few rows. Rows with the same prompt (:meth:`_units`) stay together, and the
+        token budget counts a shared prompt once.
         """
         lengths = batch["attention_mask"].sum(1).tolist()
+        units = self._units(batch, lengths)
+        costs = [unit_length(u, lengths) for u in units]
         budget = self.config.mb_spec.max_tokens_per_mb
         # Smallest count such that each group fits the budget if perfectly balanced.
-        n_local = max(1, math.ceil(sum(lengths) / budget))
+        n_local = max(1, math.ceil(sum(costs) / budget))
         n = torch.tensor(n_local, device=self.device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         out = []
-        for rows in split_microbatches(lengths, int(n)):
+        for group in split_microbatches(costs, int(n)):
+            rows = sorted(i for u in group for i in units[u][1])
             dummy = not rows
             idx = torch.tensor(rows or [0])
             mb = {k: v[idx].to(self.device) for k, v in batch.items()}
-            out.append((trim_padding(mb), dummy))
+            out.append((trim_padding(mb), dummy, rows))
         return out
 
     # -- forward ---------------------------------------------------------------------------------
@@ -348,11 +465,23 @@ class FSDPEngine(TrainEngine):
             need[:-1] &= mb["loss_mask"][valid][1:] > 0
         src = need.nonzero().squeeze(-1)  # [n] positions whose next token gets an output
         labels = ids[src + 1]
-        if self.config.mb_spec.packing:
+        lengths = valid.sum(1).tolist()
+        units = self._units(mb, lengths)
+        if any(p for p, _ in units):
+            # rows with the same prompt: the prompt once, each suffix attending to it (4D mask);
+            # packed rows of at most the longest unit, as the dense mask costs (row length)²
+            sizes = [unit_length(u, lengths) for u in units]
+            bins = pack_sequences(sizes, max(sizes))
+            ids_p, pos_p, where, allowed = shared_prompt_layout(ids, lengths, units, bins)
+            if self.model.config._attn_implementation == "eager":  # additive float mask
+                dtype = self.model.get_input_embeddings().weight.dtype
+                allowed = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(
+                    ~allowed, torch.finfo(dtype).min)
+            out, extra = self.model.arealite_forward(ids_p, pos_p, allowed, where[src], labels)
+        elif self.config.mb_spec.packing:
             # flash-attention: one row (varlen); sdpa/eager: rows of at most the longest sequence,
             # as their block-diagonal mask costs (row length)² per row
             one_row = "flash" in self.model.config._attn_implementation
-            lengths = valid.sum(1).tolist()
             bins = pack_sequences(lengths, sum(lengths) if one_row else max(lengths))
             ids_p, pos_p, where = packed_layout(ids, lengths, bins)
             out, extra = self.model.arealite_forward(ids_p, pos_p, None, where[src], labels)
@@ -391,7 +520,7 @@ class FSDPEngine(TrainEngine):
             raise RuntimeError("train_batch on a frozen engine (built with trainable=False)")
         self.model.train()
         mbs = self._microbatches(batch)
-        weights = [0.0 if dummy else float(loss_weight_fn(mb)) for mb, dummy in mbs]
+        weights = [0.0 if dummy else float(loss_weight_fn(mb)) for mb, dummy, _ in mbs]
         total = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         if float(total) <= 0:
@@ -399,7 +528,7 @@ class FSDPEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         n_tokens = 0
-        for (mb, dummy), w in zip(mbs, weights):
+        for (mb, dummy, _), w in zip(mbs, weights):
             with trace.span("forward"):  # the timeline's trainer track (arealite/utils/trace.py)
                 out = self._forward_mb(mb)
             n_tokens += 0 if dummy else int(mb["attention_mask"].sum())
@@ -447,10 +576,7 @@ class FSDPEngine(TrainEngine):
         0 at index 0, on padding and (when the batch has a ``loss_mask``) where it is 0."""
         self.model.eval()
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        lengths = batch["attention_mask"].sum(1).tolist()
-        mbs = self._microbatches(batch)
-        groups = split_microbatches(lengths, len(mbs))
-        for (mb, dummy), rows in zip(mbs, groups):
+        for mb, dummy, rows in self._microbatches(batch):
             with trace.span("forward (no grad)"):
                 lp = self._forward_mb(mb).float().cpu()
             if not dummy:
