@@ -66,7 +66,7 @@ def main() -> None:
         e.initialize(path)
         engines[share] = e
     lengths = batch["attention_mask"].sum(1).tolist()
-    from arealite.engine.fsdp import unit_length
+    from arealite.engine.packing import unit_length
 
     packed = {s: sum(unit_length(u, lengths) for u in e._units(batch, lengths)) for s, e in engines.items()}
     times: dict[bool, list[float]] = {False: [], True: []}

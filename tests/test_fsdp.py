@@ -146,7 +146,7 @@ def test_saved_hf_checkpoint_generates_the_engines_greedy_tokens(tiny_model_dir,
 
 
 def test_first_fit_decreasing_packing_and_layout_by_hand():
-    from arealite.engine.fsdp import pack_sequences, packed_layout
+    from arealite.engine.packing import pack_sequences, packed_layout
 
     lengths = [13, 5, 9, 2, 1, 0]
     bins = pack_sequences(lengths, capacity=13)

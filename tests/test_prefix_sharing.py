@@ -1,13 +1,13 @@
 """Prefix sharing (issue 15, "skip work that cannot change the result"): rows that start with
 the same prompt run it once per micro-batch, their completions attending to the one copy through
-a 4D mask (arealite/engine/fsdp.py ``prompt_units`` / ``shared_prompt_layout``). Proven here on a
+a 4D mask (arealite/engine/packing.py ``prompt_units`` / ``shared_prompt_layout``). Proven here on a
 real FSDPEngine (tiny Llama): the same logprobs, the same gradients and the same AdamW update
 (≤ 1e-6) as running every row on its own, for sdpa and eager attention, the actor and the critic."""
 
 import pytest
 import torch
 
-from arealite.engine.fsdp import prompt_units, shared_prompt_layout, unit_length
+from arealite.engine.packing import prompt_units, shared_prompt_layout, unit_length
 
 
 def test_units_and_layout_by_hand():
