@@ -88,11 +88,14 @@ def prompt_units(keys: list[tuple], lengths: list[int], cap: int) -> list[tuple[
         unit's packed length is ``p + Σ_rows (length − p)``.
     """
     groups: dict[tuple, list[int]] = {}
-    for i, k in enumerate(keys):
-        groups.setdefault(k if k else ("row", i), []).append(i)
     units: list[tuple[int, list[int]]] = []
+    for i, k in enumerate(keys):
+        if k:
+            groups.setdefault(k, []).append(i)
+        else:
+            units.append((0, [i]))
     for k, rows in groups.items():
-        p = len(k) if k and k[0] != "row" else 0
+        p = len(k)
         cur: list[int] = []
         fill = p
         for i in rows:
