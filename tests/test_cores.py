@@ -104,13 +104,27 @@ def test_when_sharing_applies(monkeypatch):
         def requests_in_flight(self):
             return self.n
 
+    class LocalEngine(Engine):
+        def __init__(self):
+            self.sent = []
+
+        def set_server_threads(self, n):
+            self.sent.append(n)
+
     cpu, e = torch.device("cpu"), Engine()
     cfg = InferenceEngineConfig(n_servers=1, server_threads=2)
     cs = core_sharing_for(cfg, 0, e, 1, cpu)
     assert (cs.base, cs.extra) == (2, 2)  # static split 2 + 2; idle servers give their 2
+    assert cs.lend is None  # the engine cannot change the servers' threads
     assert cs.busy() is False
     e.n = 3
     assert cs.busy() is True
+    local = LocalEngine()
+    cs = core_sharing_for(cfg, 0, local, 1, cpu)
+    cs.lend(True), cs.lend(False)
+    assert local.sent == [4, 2]  # a waiting trainer lends its 2 threads; then the server's own 2
+    assert core_sharing_for(InferenceEngineConfig(backend="vllm", server_threads=2), 0, local, 1, cpu).lend is None
+    assert core_sharing_for(InferenceEngineConfig(n_servers=3, server_threads=1), 0, local, 1, cpu).lend is None  # 1 // 3
     assert core_sharing_for(InferenceEngineConfig(share_idle_cores=False), 0, e, 1, cpu) is None
     assert core_sharing_for(InferenceEngineConfig(addresses=["h:1"]), 0, e, 1, cpu) is None  # remote servers
     assert core_sharing_for(cfg, 3, e, 1, cpu) is None  # actor.num_threads given: kept
@@ -120,3 +134,32 @@ def test_when_sharing_applies(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     cs = core_sharing_for(InferenceEngineConfig(n_servers=1, server_threads=1), 0, e, 1, cpu)
     assert (cs.base, cs.extra) == (1, 1)
+
+
+def test_waiting_lends_the_trainer_cores_after_the_idle_delay():
+    import time
+
+    sent = []
+    cs = CoreSharing(1, 1, lambda: False, idle_s=0.05, lend=sent.append)
+    assert cs.adjust() == 1 and cs.adjust() == 1
+    cs.idle_s = 0.0
+    assert cs.adjust() == 2  # idle servers: the trainer holds both cores
+    cs.idle_s = 0.05
+    with cs.waiting():
+        assert cs.threads == 1 and torch.get_num_threads() == 1  # a waiting trainer gives its extra back
+    assert sent == []  # a wait shorter than idle_s sends nothing
+    with cs.waiting():
+        time.sleep(0.3)
+        assert sent == [True]  # lent after idle_s, while still waiting
+    assert sent == [True, False]  # taken back on leaving, before the caller computes
+    assert 0.2 < cs.lent_s < 1.0
+
+    def broken(on):
+        raise OSError("server gone")
+
+    cs = CoreSharing(1, 1, lambda: False, idle_s=0.0, lend=broken)
+    with cs.waiting():  # logged, not raised: a thread count never fails the run
+        time.sleep(0.05)
+    assert cs.lent_s > 0
+    with CoreSharing(1, 1, lambda: False).waiting():  # lend=None: a plain wait
+        pass

@@ -410,3 +410,30 @@ def test_weight_version_as_string_and_bad_truncate_size(server, models):
     assert status == 400 and "weight_version" in out["message"]
     status, out = _post(server + "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "x"})
     assert status == 400 and out["error"]["field"] == "truncate_size"
+
+
+def test_set_num_threads_applies_on_the_scheduler_thread(server, models):
+    """``POST /set_num_threads`` changes the count the scheduler thread reads back, generation
+    gives the same greedy tokens with either count, bad bodies get 400, and the client's
+    ``set_server_threads`` sends it only to our server (backend "local")."""
+    from arealite.api.config import InferenceEngineConfig
+    from arealite.engine.remote import RemoteInferenceEngine
+
+    addr = server.removeprefix("http://")
+    one = _generate(server, PROMPT, max_new_tokens=12, temperature=0.0)
+    try:
+        status, out = _post(server + "/set_num_threads", {"num_threads": 2})
+        assert status == 200 and out == {"status": "ok", "num_threads": 2, "previous": 1}
+        assert _get(server + "/get_server_info")["num_threads"] == 2
+        two = _generate(server, PROMPT, max_new_tokens=12, temperature=0.0)
+        assert two["output_ids"] == one["output_ids"]
+        assert _logprobs(two) == pytest.approx(_logprobs(one), abs=1e-4)
+        for body in ({}, {"num_threads": 0}, {"num_threads": "2"}, {"num_threads": True}, b"not json"):
+            status, out = _post(server + "/set_num_threads", body)
+            assert status == 400 and out["error"]["field"] == "num_threads", (body, out)
+        assert RemoteInferenceEngine(InferenceEngineConfig(backend="sglang"), [addr]).set_server_threads(1) is False
+        assert _get(server + "/get_server_info")["num_threads"] == 2  # SGLang has no such endpoint: nothing sent
+        assert RemoteInferenceEngine(InferenceEngineConfig(backend="local"), [addr]).set_server_threads(1) is True
+        assert _get(server + "/get_server_info")["num_threads"] == 1
+    finally:
+        _post(server + "/set_num_threads", {"num_threads": 1})

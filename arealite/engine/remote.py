@@ -387,6 +387,33 @@ class RemoteInferenceEngine(InferenceEngine):
             self._sync_held = False
             self.sync_lock.release()
 
+    def set_server_threads(self, num_threads: int) -> bool:
+        """Every live server runs the model with ``num_threads`` torch intra-op threads from its
+        next scheduler iteration on (our server's ``POST /set_num_threads``; returns once
+        applied, at most one iteration later). Core sharing (:mod:`arealite.launcher.cores`)
+        lends the trainer's cores this way while the trainer waits for generation.
+
+        Returns:
+            True when every live server applied it; False for backends without the endpoint
+            (``rollout.backend`` "sglang"/"vllm": nothing is sent) or when a server did not
+            answer (logged; a thread count never fails the run).
+
+        Raises:
+            ValueError: ``num_threads < 1``.
+        """
+        if num_threads < 1:
+            raise ValueError(f"set_server_threads: num_threads={num_threads} must be >= 1")
+        if self.config.backend != "local":
+            return False
+        ok = True
+        for a in self.live_addresses():
+            try:
+                post_json(a, "/set_num_threads", {"num_threads": int(num_threads)}, timeout=30, retries=1)
+            except ServerError as e:
+                logger.warning("server %s did not change its thread count to %d: %s", a, num_threads, e)
+                ok = False
+        return ok
+
     def weight_update_meta(self, path: str, version: int) -> WeightUpdateMeta:
         """The :class:`WeightUpdateMeta` for this config (``rollout.weight_sync``): the trainer
         passes it to ``push_weights`` (all ranks, :mod:`arealite.launcher.weight_update`) and rank 0

@@ -21,6 +21,13 @@ between two requests does not make the trainer grab the core back and forth. A r
 starts while the trainer runs ``base + extra`` threads shares the core with it until the next
 block boundary (milliseconds to a second, by block size).
 
+The other direction: while the trainer blocks on generation (the first batches, a synchronous
+run's every step, the held-out evaluations before and after training) its own cores would sit
+idle. :meth:`CoreSharing.waiting` wraps such a wait; once it has lasted ``idle_s`` the servers run
+with the trainer's threads as well (our server's ``POST /set_num_threads``, applied between two
+scheduler iterations), and they get their own count back before the trainer computes again.
+Only our server (``rollout.backend=local``) has that control; SGLang and vLLM keep theirs.
+
 Only for servers this process launched on this machine (not ``rollout.addresses``) and a CPU
 trainer: GPU runs and remote servers keep the static split. ``rollout.share_idle_cores=false``
 turns it off.
@@ -28,11 +35,16 @@ turns it off.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
+
+logger = logging.getLogger("arealite.cores")
 
 
 class CoreSharing:
@@ -44,11 +56,16 @@ class CoreSharing:
         busy: returns True while a generation request of this rank is in flight (e.g.
             :meth:`arealite.engine.remote.RemoteInferenceEngine.requests_in_flight` > 0); called
             from the training thread, so it must be cheap and thread-safe to read.
-        idle_s: seconds ``busy`` must stay False before the extra threads are taken [s].
+        idle_s: seconds ``busy`` must stay False before the extra threads are taken, and
+            seconds a :meth:`waiting` block lasts before the trainer's threads are lent [s].
         clock: monotonic clock (tests pass a fake one).
+        lend: ``lend(True)`` gives the servers the trainer's cores, ``lend(False)`` takes them
+            back (both return once the servers applied it); None: :meth:`waiting` lends nothing.
 
     Attributes:
-        shared_s: seconds spent with ``base + extra`` threads so far (``cpu/shared_s`` per step).
+        shared_s: seconds spent with ``base + extra`` threads so far (``cpu/shared_cores_s``
+            per step).
+        lent_s: seconds the servers held the trainer's cores so far (``cpu/lent_cores_s``).
         switches: number of thread-count changes.
 
     Raises:
@@ -56,12 +73,15 @@ class CoreSharing:
     """
 
     def __init__(self, base: int, extra: int, busy: Callable[[], bool], idle_s: float = 0.2,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, lend: Callable[[bool], object] | None = None):
         if base < 1 or extra < 0 or idle_s < 0:
             raise ValueError(f"CoreSharing: base={base} must be >= 1, extra={extra} >= 0, idle_s={idle_s} >= 0")
         self.base, self.extra, self.busy, self.idle_s, self.clock = base, extra, busy, idle_s, clock
+        self.lend = lend
         self.threads = base
         self.shared_s = 0.0
+        self.lent_s = 0.0
+        self._lent_since: float | None = None
         self.switches = 0
         self._idle_since: float | None = None
         self._shared_since: float | None = None
@@ -99,6 +119,40 @@ class CoreSharing:
             self.threads = self.base
             self.switches += 1
         self._idle_since = None
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Wrap a block in which this thread only waits for generation (the next batch, a
+        held-out evaluation). The trainer drops to ``base`` threads at once; if the block lasts
+        ``idle_s`` seconds, ``lend(True)`` gives the servers the trainer's cores (from a timer
+        thread), and on leaving ``lend(False)`` takes them back before the caller computes again.
+        A wait shorter than ``idle_s`` sends nothing. A failing ``lend`` is logged, never raised."""
+        self.release()
+        if self.lend is None:
+            yield
+            return
+        timer = threading.Timer(self.idle_s, self._lend_now)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            timer.join()
+            if self._lent_since is not None:
+                self._call_lend(False)
+                self.lent_s += self.clock() - self._lent_since
+                self._lent_since = None
+
+    def _lend_now(self) -> None:
+        self._lent_since = self.clock()
+        self._call_lend(True)
+
+    def _call_lend(self, on: bool) -> None:
+        try:
+            self.lend(on)
+        except Exception:  # noqa: BLE001 - a thread count is an optimisation, never a failure
+            logger.exception("core sharing: lend(%s) failed", on)
 
     def install(self, model: torch.nn.Module) -> int:
         """Hook the forward and backward of every transformer block of ``model`` (the children of
@@ -141,7 +195,8 @@ def core_sharing_for(rollout_config, num_threads: int, engine, world_size: int, 
     requests, so with several ranks one rank's idle client would not mean idle servers), and the
     engine can report ``requests_in_flight``. ``base`` is the static split
     (:func:`arealite.launcher.local.trainer_threads`), ``extra`` the servers' threads, capped at the
-    cores of the machine.
+    cores of the machine. With our server (``rollout.backend=local``) ``lend`` gives each server
+    ``server_threads + base // n_servers`` threads while the trainer waits (none when that adds 0).
     """
     from arealite.launcher.local import trainer_threads
 
@@ -153,4 +208,9 @@ def core_sharing_for(rollout_config, num_threads: int, engine, world_size: int, 
     extra = min(rollout_config.n_servers * rollout_config.server_threads, cores - base)
     if extra <= 0:
         return None
-    return CoreSharing(base, extra, lambda: engine.requests_in_flight() > 0)
+    own, add = rollout_config.server_threads, base // rollout_config.n_servers
+    lend = None
+    if rollout_config.backend == "local" and add > 0 and hasattr(engine, "set_server_threads"):
+        def lend(on: bool) -> None:
+            engine.set_server_threads(own + add if on else own)
+    return CoreSharing(base, extra, lambda: engine.requests_in_flight() > 0, lend=lend)

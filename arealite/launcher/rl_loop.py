@@ -26,6 +26,7 @@ checkpoint), ``checkpoints/stepK`` and ``recover/stepK``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -197,8 +198,10 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         for engine in {id(e): e for e in (actor, ref, getattr(algo, "critic", None)) if hasattr(e, "model")}.values():
             cores.install(engine.model)
         print(f"core sharing: the trainer uses {cores.base} thread(s) while generation runs and "
-              f"{cores.base + cores.extra} while the servers are idle (--rollout.share_idle_cores false: static split)",
-              flush=True)
+              f"{cores.base + cores.extra} while the servers are idle"
+              + (", and lends its cores to the servers while it waits for them" if cores.lend else "")
+              + " (--rollout.share_idle_cores false: static split)", flush=True)
+    waiting = cores.waiting if cores is not None else contextlib.nullcontext
     stats_logger = StatsLogger(out, rank, config.total_train_steps, getattr(getattr(config, "logger", None), "wandb", None),
                                to_dict(config))
     # Timeline (trace.json, arealite/utils/trace.py): this rank's spans, its servers' requests, the gate.
@@ -219,7 +222,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     def evaluate(when: str) -> dict[str, float]:  # greedy held-out episodes through the servers (rank 0)
         if rank != 0:
             return {}
-        res = asyncio.run(base_workflow.aevaluate(rollout, valid_rows))
+        with waiting():  # only the servers work: they get the trainer's cores too
+            res = asyncio.run(base_workflow.aevaluate(rollout, valid_rows))
         print(f"held-out greedy evaluation {'before' if when == 'start' else 'after'} training: "
               + ", ".join(f"{k} {v:.3f}" for k, v in res.items()) + f" ({len(valid_rows)} problems)", flush=True)
         return {f"eval/{k}_{when}": v for k, v in res.items()}
@@ -243,8 +247,9 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         version = step  # weights the servers hold = completed updates
         # 1. Rollouts: asynchronous; generation of the next batches continues during training.
         t0 = time.time()
-        shared_before = cores.shared_s if cores is not None else 0.0
-        batch = executor.prepare_batch(loader, workflow)
+        shared_before, lent_before = (cores.shared_s, cores.lent_s) if cores is not None else (0.0, 0.0)
+        with waiting():  # a wait for generation lends the trainer's cores to the servers
+            batch = executor.prepare_batch(loader, workflow)
         t1 = time.time()
         # 2. The algorithm's update (advantages, proximal logprobs, minibatches, …).
         stats = algo.update(batch)
@@ -265,7 +270,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
         stats.update({
             "time/gen_wait_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
             "time/train_start": t1, "time/train_end": t2,
-            **({"cpu/shared_cores_s": cores.shared_s - shared_before} if cores is not None else {}),
+            **({"cpu/shared_cores_s": cores.shared_s - shared_before,
+                "cpu/lent_cores_s": cores.lent_s - lent_before} if cores is not None else {}),
             "perf/trained_tokens_per_s": stats["rollout/n_tokens"] / (t3 - t0),
             "perf/trained_samples_per_s": trained_samples / (t3 - run_start),
         })
@@ -285,7 +291,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
 
     loop_time = time.time() - run_start
     if bg_eval is not None:  # the last in-loop evaluation, if one is still running
-        summary.update({f"{k}_inloop_last": v for k, v in bg_eval.poll(wait=600).items()})
+        with waiting():
+            summary.update({f"{k}_inloop_last": v for k, v in bg_eval.poll(wait=600).items()})
     actor.save(os.path.join(out, "final"))
     if rank == 0:
         shutil.rmtree(weight_dir, ignore_errors=True)  # the last weight-sync copy (= final/)

@@ -18,6 +18,8 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
   ``[[logprob, token_id, null], ...]``.
 - ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info`` (scheduler counters).
 - ``POST /pause_generation`` / ``POST /continue_generation`` (abort-on-pause semantics).
+- ``POST /set_num_threads`` (ours, not SGLang's): the model's torch intra-op threads from the
+  next scheduler iteration on; core sharing lends the trainer's cores this way.
 - ``POST /update_weights_from_disk`` (safetensors, applied between decode steps).
 - ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
   ``POST /destroy_weights_update_group``: weights broadcast by the trainer (gloo on CPU, NCCL on

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from arealite.api.weight_update import (DEFAULT_GROUP_NAME, DiskUpdate, InitGroup, ProtocolError, UpdateBucket,
                                         parse_destroy_group, reply)
-from arealite.engine.server.messages import Abort, Generate, LoadFromDisk, LoadTensors, Pause
+from arealite.engine.server.messages import Abort, Generate, LoadFromDisk, LoadTensors, Pause, SetThreads
 from arealite.engine.server.protocol import error_body, is_int, parse_generate_request
 from arealite.engine.server.scheduler import Scheduler
 from arealite.engine.server.weights import WeightGroups
@@ -52,6 +52,7 @@ class Server:
         app.router.add_get("/get_server_info", self.get_server_info)
         app.router.add_post("/pause_generation", self.pause_generation)
         app.router.add_post("/continue_generation", self.continue_generation)
+        app.router.add_post("/set_num_threads", self.set_num_threads)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
         app.router.add_post("/update_weights_from_distributed",
@@ -120,7 +121,8 @@ class Server:
         (prompt tokens run through the model), ``shared_prefix_tokens`` (prompt tokens whose KV
         was copied from a running row instead), ``cached_prefix_tokens`` (copied from the
         prefix store of finished requests), ``decode_steps``; plus ``running_requests``,
-        ``waiting_requests`` and ``max_prefill_tokens``. Read without locking (a snapshot)."""
+        ``num_threads``, ``waiting_requests`` and ``max_prefill_tokens``. Read without locking
+        (a snapshot)."""
         return web.json_response({**self.scheduler.counters(),
                                   "max_prefill_tokens": self.scheduler.max_prefill_tokens})
 
@@ -139,6 +141,20 @@ class Server:
         self._resumed.set()
         return web.json_response({"status": "ok",
                                   "message": "Generation continued successfully."})
+
+    async def set_num_threads(self, request: web.Request) -> web.Response:
+        """``POST /set_num_threads`` ``{"num_threads": int >= 1}`` (ours; not in SGLang): the
+        model's torch intra-op threads from the next scheduler iteration on. Core sharing
+        (:mod:`arealite.launcher.cores`) lends the trainer's cores to the server this way
+        while the trainer waits for generation. Replies once applied: ``{"status": "ok",
+        "num_threads": n, "previous": p}`` (``n`` read back on the scheduler thread); 400 for a
+        missing or non-positive count."""
+        body = await _json(request)
+        n = body.get("num_threads") if isinstance(body, dict) else None
+        if not is_int(n) or n < 1:
+            return _error(f"num_threads must be an integer >= 1, got {n!r}", "num_threads")
+        previous = await self.scheduler.submit(SetThreads(int(n)))
+        return web.json_response({"status": "ok", "num_threads": self.scheduler.num_threads, "previous": previous})
 
     # -- weight updates (bodies: arealite.api.weight_update; trainer side: engine.weight_sync)
 

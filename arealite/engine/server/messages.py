@@ -57,7 +57,16 @@ class LoadTensors:
     weight_version: int | None = None
 
 
-Message = Generate | Pause | Abort | LoadFromDisk | LoadTensors
+@dataclass(frozen=True)
+class SetThreads:
+    """Run the model with ``num_threads`` torch intra-op threads from the next scheduler
+    iteration on (``torch.set_num_threads`` on the scheduler thread: OpenMP's thread count
+    belongs to the calling thread). Resolves to the count used before."""
+
+    num_threads: int
+
+
+Message = Generate | Pause | Abort | LoadFromDisk | LoadTensors | SetThreads
 
 
 @dataclass

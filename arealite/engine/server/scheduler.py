@@ -18,7 +18,7 @@ from arealite.api import weight_update
 from arealite.engine.server.kv_cache import (ATTN_IMPLEMENTATION, PrefixStore, SlotKVCache, attention_step,
                                              register_attention)
 from arealite.engine.server.messages import (Abort, Envelope, Generate, LoadFromDisk, LoadTensors, Message,
-                                             Pause, Request)
+                                             Pause, Request, SetThreads)
 from arealite.engine.server.protocol import ABORT_BEFORE_PREFILL, ABORT_BY_PAUSE, SamplingParams, error_body
 from arealite.engine.server.sampling import sample_next_tokens
 from arealite.engine.server.weights import load_named_tensors, load_weights_from_disk
@@ -102,6 +102,7 @@ class Scheduler:
                                           self.device, 1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.num_threads = torch.get_num_threads()  # the scheduler thread's (SetThreads changes it)
         self.stats = {"prefill_tokens": 0, "shared_prefix_tokens": 0, "cached_prefix_tokens": 0,
                       "decode_steps": 0}
         self._self_check()
@@ -151,9 +152,10 @@ class Scheduler:
         self._queue.put(Envelope(message, None, None))
 
     def counters(self) -> dict:
-        """Counters since start (``stats``) plus ``running_requests`` and ``waiting_requests``
-        (the staged one included); read without locking, so a snapshot."""
-        return {**self.stats, "running_requests": len(self._rows),
+        """Counters since start (``stats``) plus ``num_threads`` (intra-op threads now),
+        ``running_requests`` and ``waiting_requests`` (the staged one included); read without
+        locking, so a snapshot."""
+        return {**self.stats, "num_threads": self.num_threads, "running_requests": len(self._rows),
                 "waiting_requests": len(self._waiting) + (self._staged is not None)}
 
     # -- scheduler thread
@@ -232,6 +234,11 @@ class Scheduler:
                 if unexpected:
                     message += f" Ignored {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}."
                 _resolve(env.loop, env.future, (200, weight_update.reply(True, message, num_paused_requests=0)))
+            case SetThreads():
+                previous = self.num_threads
+                torch.set_num_threads(msg.num_threads)
+                self.num_threads = torch.get_num_threads()  # read back on this thread: what runs
+                _resolve(env.loop, env.future, previous)
             case _:
                 raise TypeError(f"unknown scheduler message {msg!r}")
 
