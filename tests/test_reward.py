@@ -388,3 +388,28 @@ def test_tiny_but_different_values_do_not_match_equal_rationals_do():
     assert math_reward("\\boxed{0.333333}", "\\frac{1}{3}") == 1.0  # math_verify's 6-place rounding kept
     assert math_reward("\\boxed{\\sqrt{2}^2}", "2") == 1.0
     assert math_reward("\\boxed{50\\%}", "50") == 1.0  # percentages are math_verify's business
+
+
+def test_prewarm_imports_the_reward_module_in_a_worker_before_any_call(tmp_path, monkeypatch):
+    log = tmp_path / "imports.log"
+    monkeypatch.setenv("AREALITE_TEST_IMPORT_LOG", str(log))
+    monkeypatch.delitem(sys.modules, "prewarm_fns", raising=False)
+    import prewarm_fns
+
+    def worker_imports():
+        return [int(x) for x in log.read_text().split()] if log.exists() else []
+
+    assert worker_imports() == [os.getpid()]  # this process's own import
+    with RewardWorker(timeout=30) as w:
+        w.prewarm(prewarm_fns.one)  # returns at once; the worker starts in the background
+        deadline = time.time() + 60
+        while len(worker_imports()) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        workers = [pid for pid in worker_imports() if pid != os.getpid()]
+        assert len(workers) == 1  # spawned and imported before any compute call
+        assert w.compute(prewarm_fns.one) == 1.0
+        w.prewarm(prewarm_fns.one)  # idempotent
+        assert worker_imports()[1:] == workers  # the same worker, the module imported once
+        assert w.stats["calls"] == 1 and w.stats["ok"] == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        w.prewarm(prewarm_fns.one)

@@ -157,6 +157,8 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
     tokenizer = load_tokenizer(model_path)
     check_model_fits(model_path, config.gconfig, tokenizer)  # chat template, max_new_tokens vs context
     base_workflow = build_workflow(config, tokenizer, os.path.join(out, "rollouts") if rank == 0 else None)
+    if getattr(base_workflow, "reward_worker", None) is not None and hasattr(base_workflow, "reward_fn"):
+        base_workflow.reward_worker.prewarm(base_workflow.reward_fn)  # its start-up overlaps model loading
     # DAPO dynamic sampling: groups with all-equal rewards are dropped and replaced by new ones
     # (the run stops with an error after 8 batches' worth of such groups in a row).
     dynamic = getattr(config.algo, "dynamic_sampling", False)
@@ -290,6 +292,9 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
             save_checkpoint(recover_dir, step + 1, engines, stateful, config.recover.keep_last)
 
     loop_time = time.time() - run_start
+    # Episodes still running are for a step that will not come: cancel them (their requests are
+    # aborted on the servers), so the final evaluation has the servers to itself.
+    executor.destroy()
     if bg_eval is not None:  # the last in-loop evaluation, if one is still running
         with waiting():
             summary.update({f"{k}_inloop_last": v for k, v in bg_eval.poll(wait=600).items()})
@@ -315,7 +320,6 @@ def run_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkflo
             print(f"run report: {write_report(out)}", flush=True)
         except Exception as e:  # a report problem never fails a finished run
             print(f"run report failed: {e!r}", flush=True)
-    executor.destroy()
     rollout.destroy()
     if getattr(base_workflow, "reward_worker", None) is not None:
         base_workflow.reward_worker.close()

@@ -237,6 +237,29 @@ class RewardWorker:
                 self._warm_modules.add(module)
 
     # ------------------------------------------------------------------ API
+    def prewarm(self, fn: Callable[..., Any]) -> None:
+        """Spawn a worker and import ``fn``'s module there now, without waiting, so that the
+        first :meth:`acompute` does not pay the start-up (spawn, torch-free imports of e.g.
+        math-verify and sympy: seconds). Call it early, e.g. while the trainer loads its model.
+        Idempotent; an import failure surfaces (with a warning) in the first real call.
+
+        Raises:
+            RuntimeError: if the worker has been closed.
+        """
+        module = getattr(fn, "__module__", "") or ""
+        pool, gen = self._current()
+        with self._lock:
+            if module in self._warm_modules:
+                return
+
+        def done(fut: concurrent.futures.Future) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                with self._lock:
+                    if gen == self._generation:
+                        self._warm_modules.add(module)
+
+        pool.submit(_import_module, module).add_done_callback(done)
+
     def _count(self, key: str) -> None:
         with self._lock:
             self.stats[key] += 1
