@@ -47,6 +47,7 @@ def run(trial: str, flags: list[str], args, root: str) -> dict:
         "train_s": sum(s["time/train_s"] for s in steps),
         "sync_s": sum(s["time/weight_sync_s"] for s in steps),
         "shared_s": sum(s.get("cpu/shared_cores_s", 0.0) for s in steps),
+        "lent_s": sum(s.get("cpu/lent_cores_s", 0.0) for s in steps),
         "staleness_max": max(s["rollout/staleness_max"] for s in steps),
         "cpu_busy_mean": summary.get("cpu/run_busy_mean", float("nan")),
         "cpu_busy_min": summary.get("cpu/run_busy_min", float("nan")),

@@ -29,7 +29,7 @@ def main() -> None:
     for share, r in results.items():
         print(f"share_idle_cores={share}: {r['s_per_step']:.1f} s/step (median) | train {r['train_s']:.1f}s "
               f"generation wait {r['gen_wait_s']:.1f}s weight sync {r['sync_s']:.1f}s | trainer on the server's "
-              f"core {r['shared_s']:.1f}s | cores busy mean {r['cpu_busy_mean']:.2f} min {r['cpu_busy_min']:.2f} "
+              f"core {r['shared_s']:.1f}s, servers on the trainer's core {r['lent_s']:.1f}s | cores busy mean {r['cpu_busy_mean']:.2f} min {r['cpu_busy_min']:.2f} "
               f"| max staleness {r['staleness_max']:.0f}")
     print(f"ratio s/step shared/static: {results[True]['s_per_step'] / results[False]['s_per_step']:.2f}x")
 
