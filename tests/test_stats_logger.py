@@ -29,6 +29,11 @@ def test_progress_line_has_eta_and_the_last_held_out_score(tmp_path, monkeypatch
     assert lines[1] == "step 2/5 | eta 0:00:30 | held-out accuracy 0.250 (v1)"
     assert lines[2] == "step 3/5 | eta 0:00:20 | held-out accuracy 0.250 (v1)"
     assert [json.loads(x)["step"] for x in open(tmp_path / "stats.jsonl")] == [0, 1, 2]
+    start = sl.StatsLogger(str(tmp_path / "start"), 0, total_steps=2)
+    start.last_eval = ("eval/accuracy", 0.078, 0.0)  # the evaluation before training (rl_loop sets it)
+    start.commit(0, {})
+    start.close()
+    assert capsys.readouterr().out.endswith("held-out accuracy 0.078 (v0, before training)\n")
     assert sl.format_eta(3725) == "1:02:05" and sl.format_eta(float("nan")) == "?"
 
 

@@ -239,8 +239,10 @@ class RewardWorker:
     # ------------------------------------------------------------------ API
     def prewarm(self, fn: Callable[..., Any]) -> None:
         """Spawn a worker and import ``fn``'s module there now, without waiting, so that the
-        first :meth:`acompute` does not pay the start-up (spawn, torch-free imports of e.g.
-        math-verify and sympy: seconds). Call it early, e.g. while the trainer loads its model.
+        first :meth:`acompute` does not pay the start-up (a spawned interpreter importing e.g.
+        math-verify and sympy: about 5 s on the 2-core development machine, measured as the
+        first batch's wait in the default run, 19.6 → 12.6 s). Call it early, e.g. while the
+        trainer loads its model.
         Idempotent; an import failure surfaces (with a warning) in the first real call.
 
         Raises:

@@ -122,7 +122,8 @@ class StatsLogger:
         parts.append(f"eta {format_eta(self._eta(step, stats))}")
         if self.last_eval is not None:
             key, value, version = self.last_eval
-            parts.append(f"held-out {key[5:]} {value:.3f}" + (f" (v{version:.0f})" if version is not None else ""))
+            label = "" if version is None else f" (v{version:.0f}{', before training' if version == 0 else ''})"
+            parts.append(f"held-out {key[5:]} {value:.3f}{label}")
         print(" | ".join(parts), flush=True)
 
     def summary(self, step: int, stats: dict[str, float]) -> None:
