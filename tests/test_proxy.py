@@ -185,7 +185,7 @@ def test_openai_agents_sdk_agent_with_a_function_tool(tiny_model_dir):
     assert '"name": "multiply"' in masked_text.split("<|im_start|>user")[0]  # tools described in the system prompt
 
 
-def test_hanging_session_times_out_and_no_episode_is_lost_or_mixed(tiny_model_dir):
+def test_hanging_session_times_out_and_no_episode_is_lost_or_mixed(tiny_model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     hung_urls = []
 
@@ -201,7 +201,8 @@ def test_hanging_session_times_out_and_no_episode_is_lost_or_mixed(tiny_model_di
     rows = [{"question": f"Q{i}", "answer": f"A{i}", "hang": i == 2} for i in range(5)]
     engine = ScriptedEngine(tok)
     workflow = ProxyAgentWorkflow(agent, tok, GenerationConfig(n_samples=2, max_new_tokens=8),
-                                  config=ProxyConfig(session_timeout=5.0))  # ample for a scripted reply on a loaded machine
+                                  config=ProxyConfig(session_timeout=5.0),  # ample for a scripted reply on a loaded machine
+                                  dump_dir=str(tmp_path / "rollouts"))
     executor = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=1, max_concurrent_rollouts=5,
                                                       max_head_offpolicyness=4), engine)
     executor.initialize()
@@ -231,6 +232,12 @@ def test_hanging_session_times_out_and_no_episode_is_lost_or_mixed(tiny_model_di
         assert len(q) == 1 and re.findall(r"A(\d+)", text) == q and batch["rewards"][row] == 1.0
         questions.append(int(q[0]))
     assert sorted(questions) == [0, 0, 1, 1, 3, 3, 4, 4]  # groups intact; the hung group is gone whole
+    records = [json.loads(x) for x in open(tmp_path / "rollouts" / "rollouts.jsonl")]
+    assert sorted(r["answer"] for r in records) == ["A0", "A1", "A3", "A4"]  # one line per finished group
+    for r in records:
+        assert r["rewards"] == [1.0, 1.0] and r["turns"] == [1, 1] and r["texts"] == [[r["answer"]]] * 2
+        assert [len(vs) for vs in r["versions"]] == [1, 1]  # each reply's tokens carry one weight version
+        assert r["start_time"] <= r["end_time"]
 
 
 def test_malformed_requests_get_a_clear_400_and_unknown_sessions_404(tiny_model_dir):

@@ -37,7 +37,8 @@ from arealite.api.config import GenerationConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest
 from arealite.api.workflow import RolloutWorkflow
-from arealite.workflow.multi_turn import Episode, chat_segment_ids, episodes_to_batch, summarize_episodes
+from arealite.workflow.multi_turn import (Episode, chat_segment_ids, dump_episodes, episodes_to_batch, rollouts_path,
+                                         summarize_episodes)
 
 logger = logging.getLogger("arealite.agent")
 
@@ -256,12 +257,15 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         agent_fn: ``async fn(client, data) -> float`` (the episode reward).
         tokenizer: HF tokenizer with the policy's chat template.
         gconfig: sampling defaults for the client.
+        dump_dir: if set, each group goes to ``dump_dir/rollouts.jsonl``
+            (:func:`~arealite.workflow.multi_turn.dump_episodes`).
     """
 
     stat_keys = ("turns",)  # logged as rollout/turns
 
-    def __init__(self, agent_fn: AgentFn, tokenizer, gconfig: GenerationConfig):
+    def __init__(self, agent_fn: AgentFn, tokenizer, gconfig: GenerationConfig, dump_dir: str | None = None):
         self.agent_fn, self.tokenizer, self.gconfig = agent_fn, tokenizer, gconfig
+        self.dump_path = rollouts_path(dump_dir)
 
     async def run_one(self, engine: InferenceEngine, data: dict[str, Any]) -> Episode:
         client = ArealOpenAI(engine, self.tokenizer, self.gconfig)
@@ -269,7 +273,10 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         return client.export_episode(reward)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+        start = time.time()
         episodes = await asyncio.gather(*[self.run_one(engine, data) for _ in range(self.gconfig.n_samples)])
+        if self.dump_path:
+            dump_episodes(self.dump_path, data, list(episodes), start)
         return episodes_to_batch(list(episodes))
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -40,6 +40,7 @@ import logging
 import os
 import shlex
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -49,7 +50,7 @@ from arealite.agent.proxy import Session, TrainingProxy
 from arealite.api.config import GenerationConfig, ProxyConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.workflow import RolloutWorkflow
-from arealite.workflow.multi_turn import Episode, episodes_to_batch, summarize_episodes
+from arealite.workflow.multi_turn import Episode, dump_episodes, episodes_to_batch, rollouts_path, summarize_episodes
 
 logger = logging.getLogger("arealite.proxy")
 
@@ -65,6 +66,8 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         config: the proxy (host, port, ``session_timeout``).
         env: extra environment variables for a subprocess agent.
         cwd: working directory of a subprocess agent.
+        dump_dir: if set, each finished group goes to ``dump_dir/rollouts.jsonl``
+            (:func:`~arealite.workflow.multi_turn.dump_episodes`: rewards, turns, each reply's text).
 
     Raises:
         ValueError: ``proxy.session_timeout <= 0`` or an empty command.
@@ -74,7 +77,7 @@ class ProxyAgentWorkflow(RolloutWorkflow):
 
     def __init__(self, agent: Callable | Sequence[str] | str, tokenizer, gconfig: GenerationConfig,
                  reward_fn: Callable | None = None, config: ProxyConfig | None = None,
-                 env: dict[str, str] | None = None, cwd: str | None = None):
+                 env: dict[str, str] | None = None, cwd: str | None = None, dump_dir: str | None = None):
         self.config = config or ProxyConfig()
         if not self.config.session_timeout > 0:
             raise ValueError(f"proxy.session_timeout={self.config.session_timeout}: must be > 0 [s]")
@@ -84,6 +87,7 @@ class ProxyAgentWorkflow(RolloutWorkflow):
             raise ValueError("ProxyAgentWorkflow: the agent command is empty")
         self.agent, self.tokenizer, self.gconfig, self.reward_fn = agent, tokenizer, gconfig, reward_fn
         self.env, self.cwd = dict(env or {}), cwd
+        self.dump_path = rollouts_path(dump_dir)
         self.stats = {"episodes": 0, "timed_out": 0, "failed": 0}
         self._proxies: dict[Any, asyncio.Task] = {}  # event loop -> task starting its proxy
         self._lock = threading.Lock()  # the executor's loop and an evaluation thread's loop
@@ -175,6 +179,7 @@ class ProxyAgentWorkflow(RolloutWorkflow):
         return session.client.export_episode(reward)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        start = time.time()
         results = await asyncio.gather(*[self.run_one(engine, data) for _ in range(self.gconfig.n_samples)],
                                        return_exceptions=True)  # every session finishes and is closed
         for r in results:
@@ -182,6 +187,8 @@ class ProxyAgentWorkflow(RolloutWorkflow):
                 raise r
         if any(r is None for r in results):
             return None  # a timed-out session: the whole group is dropped (logged in run_one)
+        if self.dump_path:
+            dump_episodes(self.dump_path, data, list(results), start)
         return episodes_to_batch(list(results))
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -124,6 +124,34 @@ def episodes_to_batch(episodes: list[Episode]) -> dict[str, torch.Tensor]:
     }
 
 
+_DUMP_LOCK = threading.Lock()  # episodes of several event loops append to one file
+
+
+def rollouts_path(dump_dir: str | None) -> str | None:
+    """``dump_dir/rollouts.jsonl`` (the folder is created), or None when ``dump_dir`` is unset."""
+    if not dump_dir:
+        return None
+    os.makedirs(dump_dir, exist_ok=True)
+    return os.path.join(dump_dir, "rollouts.jsonl")
+
+
+def dump_episodes(path: str, data: dict[str, Any], episodes: list[Episode], start: float) -> None:
+    """Append one JSON line for a group of episodes of row ``data`` to ``path``: ``prompt`` (the
+    row's last message, None without ``messages``), ``answer``, and per episode ``turns``,
+    ``rewards``, ``texts`` (each model turn's text), ``info``, ``versions`` (the weight versions
+    its tokens came from), plus ``start_time`` / ``end_time`` [s since the epoch]."""
+    messages = data.get("messages") or [{}]
+    record = {
+        "prompt": messages[-1].get("content"), "answer": data.get("answer"),
+        "turns": [e.turns for e in episodes], "rewards": [e.reward for e in episodes],
+        "texts": [e.texts for e in episodes], "info": [e.info for e in episodes],
+        "versions": [sorted({v for v in e.versions if v >= 0}) for e in episodes],
+        "start_time": start, "end_time": time.time(),
+    }
+    with _DUMP_LOCK, open(path, "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+
+
 class MultiTurnWorkflow(RolloutWorkflow):
     """``gconfig.n_samples`` concurrent multi-turn episodes per dataset row (a GRPO group).
 
@@ -158,17 +186,14 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.env_factory, self.gconfig, self.tokenizer = env_factory, gconfig, tokenizer
         self.max_turns, self.turn_discount, self.max_context_tokens = max_turns, turn_discount, max_context_tokens
         self.truncate_fn = truncate_fn
-        self.dump_path = os.path.join(dump_dir, "rollouts.jsonl") if dump_dir else None
-        self._dump_lock = threading.Lock()
-        if dump_dir:
-            os.makedirs(dump_dir, exist_ok=True)
+        self.dump_path = rollouts_path(dump_dir)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
         start = time.time()
         rid = uuid.uuid4().hex  # one server for the whole group (prefix reuse)
         episodes = await asyncio.gather(*[self.run_one(engine, data, rid) for _ in range(self.gconfig.n_samples)])
         if self.dump_path:
-            self._dump(data, episodes, start)
+            dump_episodes(self.dump_path, data, episodes, start)
         return episodes_to_batch(list(episodes))
 
     async def run_one(self, engine: InferenceEngine, data: dict[str, Any], rid: str | None = None) -> Episode:
@@ -211,16 +236,6 @@ class MultiTurnWorkflow(RolloutWorkflow):
         greedy.gconfig = replace(self.gconfig, greedy=True, n_samples=1)
         return await summarize_episodes(greedy.run_one, engine, rows)
 
-    def _dump(self, data, episodes: list[Episode], start: float) -> None:
-        record = {
-            "prompt": data.get("messages", [{}])[-1].get("content"), "answer": data.get("answer"),
-            "turns": [e.turns for e in episodes], "rewards": [e.reward for e in episodes],
-            "texts": [e.texts for e in episodes], "info": [e.info for e in episodes],
-            "versions": [sorted({v for v in e.versions if v >= 0}) for e in episodes],
-            "start_time": start, "end_time": time.time(),
-        }
-        with self._dump_lock, open(self.dump_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 class MathFeedbackEnv(Environment):

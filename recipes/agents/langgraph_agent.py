@@ -45,7 +45,7 @@ async def langgraph_agent(data: dict, base_url: str, api_key: str) -> float:
 
 
 def build(config: ProxyAgentGRPOConfig, tokenizer, dump_dir) -> ProxyAgentWorkflow:
-    return ProxyAgentWorkflow(langgraph_agent, tokenizer, config.gconfig, config=config.proxy)
+    return ProxyAgentWorkflow(langgraph_agent, tokenizer, config.gconfig, config=config.proxy, dump_dir=dump_dir)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ async def no_tool_agent(data: dict, base_url: str, api_key: str) -> float:
 
 
 def build(config: ProxyAgentGRPOConfig, tokenizer, dump_dir, agent=tool_agent) -> ProxyAgentWorkflow:
-    return ProxyAgentWorkflow(agent, tokenizer, config.gconfig, config=config.proxy)
+    return ProxyAgentWorkflow(agent, tokenizer, config.gconfig, config=config.proxy, dump_dir=dump_dir)
 
 
 def evaluate(config: ProxyAgentGRPOConfig, tool: bool = True) -> dict:

@@ -38,7 +38,7 @@ def build(config, tokenizer, dump_dir):
     from arealite.agent.proxy_workflow import ProxyAgentWorkflow
 
     return ProxyAgentWorkflow([sys.executable, os.path.abspath(__file__), AGENT], tokenizer, config.gconfig,
-                              config=config.proxy)
+                              config=config.proxy, dump_dir=dump_dir)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ async def sdk_agent(data: dict, base_url: str, api_key: str) -> float | None:
 
 
 def build(config: ProxyAgentGRPOConfig, tokenizer, dump_dir) -> ProxyAgentWorkflow:
-    return ProxyAgentWorkflow(sdk_agent, tokenizer, config.gconfig, config=config.proxy,
+    return ProxyAgentWorkflow(sdk_agent, tokenizer, config.gconfig, config=config.proxy, dump_dir=dump_dir,
                               reward_fn=lambda data, text: multiplication_reward(text, data["answer"]))
 
 
