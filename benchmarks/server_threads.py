@@ -17,27 +17,20 @@ drift of the machine hits both. Run it with nothing else on the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_load import start_server  # noqa: E402
 
-
-def call(port: int, endpoint: str, body: dict | None = None, method: str = "POST") -> dict:
-    data = None if method == "GET" else json.dumps(body or {}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{endpoint}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=900) as r:
-        return json.loads(r.read())
+from arealite.engine.remote import post_json  # noqa: E402
 
 
 def main() -> None:
@@ -51,22 +44,9 @@ def main() -> None:
     from arealite.utils.hf import resolve_model_path
 
     path = resolve_model_path(args.model_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "arealite.engine.server", "--model-path", path,
-                               "--port", str(port), "--num-threads", "1"], cwd=ROOT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = os.path.join(tempfile.gettempdir(), "server_threads_server.log")
+    server, addr = start_server(path, log, ["--num-threads", "1"], timeout=600)
     try:
-        for _ in range(600):
-            try:
-                call(port, "/health", method="GET")
-                break
-            except OSError:
-                if server.poll() is not None:
-                    sys.exit("the server exited at start-up")
-                time.sleep(0.5)
         rng = random.Random(0)
         prompts = [[rng.randrange(100, 40000) for _ in range(60 + i % 40)] for i in range(args.requests)]
         sp = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -74,14 +54,15 @@ def main() -> None:
         def one_round() -> float:
             t = time.perf_counter()
             with ThreadPoolExecutor(args.requests) as pool:
-                list(pool.map(lambda ids: call(port, "/generate", {"input_ids": ids, "sampling_params": sp}), prompts))
+                list(pool.map(lambda ids: post_json(addr, "/generate", {"input_ids": ids, "sampling_params": sp},
+                                                    timeout=900, retries=1), prompts))
             return time.perf_counter() - t
 
         one_round()  # warm-up
         times: dict[int, list[float]] = {n: [] for n in args.threads}
         for _ in range(args.rounds):
             for n in args.threads:
-                reply = call(port, "/set_num_threads", {"num_threads": n})
+                reply = post_json(addr, "/set_num_threads", {"num_threads": n}, timeout=900, retries=1)
                 assert reply["num_threads"] == n, reply
                 times[n].append(one_round())
         tokens = args.requests * args.new_tokens

@@ -158,6 +158,7 @@ class RewardWorker:
         self._generation = 0
         self._killed_generations: set[int] = set()
         self._warm_modules: set[str] = set()
+        self._warming: dict[str, concurrent.futures.Future] = {}  # imports in flight (this pool)
         self._pool = self._new_pool()
         # one slot semaphore per event loop (asyncio primitives are loop-bound)
         self._sems: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = (
@@ -209,6 +210,7 @@ class RewardWorker:
             self._pool = self._new_pool()
             self._generation += 1
             self._warm_modules = set()
+            self._warming = {}
         self._kill_pool(old)
 
     def _semaphore(self) -> asyncio.Semaphore:
@@ -220,21 +222,41 @@ class RewardWorker:
                 self._sems[loop] = sem
             return sem
 
-    async def _warm(self, module: str) -> None:
-        """Spawn a worker and import ``module`` there (not charged to the timeout)."""
+    def _start_warm(self, module: str) -> concurrent.futures.Future | None:
+        """The import of ``module`` in the current pool's worker (submitted once per pool, so a
+        :meth:`prewarm` and the first calls share it); None once it has succeeded."""
         pool, gen = self._current()
         with self._lock:
             if module in self._warm_modules:
-                return
-        try:
-            fut = pool.submit(_import_module, module)
-            await asyncio.wait_for(asyncio.wrap_future(fut), self.startup_timeout)
-        except Exception:
-            # Import failures etc. surface (with a warning) in the real call.
+                return None
+            fut = self._warming.get(module)
+            if fut is not None:
+                return fut
+            fut = self._warming[module] = pool.submit(_import_module, module)
+
+        def done(f: concurrent.futures.Future) -> None:
+            with self._lock:
+                if gen != self._generation:
+                    return
+                self._warming.pop(module, None)  # a failed import is tried again by the next call
+                if not f.cancelled() and f.exception() is None:
+                    self._warm_modules.add(module)
+
+        fut.add_done_callback(done)
+        return fut
+
+    async def _warm(self, module: str) -> None:
+        """Wait (up to ``startup_timeout``, not charged to the call's timeout) until a worker has
+        imported ``module``. A failure is not raised here: it surfaces in the real call."""
+        try:  # shield: a caller's timeout must not cancel the import other callers share
+            fut = self._start_warm(module)
+            if fut is not None:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.startup_timeout)
+        except RuntimeError:
+            if self._closed:
+                raise
+        except Exception:  # noqa: BLE001 - e.g. a broken pool: the real call handles it
             return
-        with self._lock:
-            if gen == self._generation:
-                self._warm_modules.add(module)
 
     # ------------------------------------------------------------------ API
     def prewarm(self, fn: Callable[..., Any]) -> None:
@@ -248,19 +270,7 @@ class RewardWorker:
         Raises:
             RuntimeError: if the worker has been closed.
         """
-        module = getattr(fn, "__module__", "") or ""
-        pool, gen = self._current()
-        with self._lock:
-            if module in self._warm_modules:
-                return
-
-        def done(fut: concurrent.futures.Future) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                with self._lock:
-                    if gen == self._generation:
-                        self._warm_modules.add(module)
-
-        pool.submit(_import_module, module).add_done_callback(done)
+        self._start_warm(getattr(fn, "__module__", "") or "")
 
     def _count(self, key: str) -> None:
         with self._lock:
