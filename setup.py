@@ -28,7 +28,8 @@ setup(
         "psutil",  # per-core CPU utilisation and this run's own CPU time (arealite/utils/cpu.py)
     ],
     extras_require={
-        "test": ["pytest>=8", "ray>=2.40",  # the Ray launcher's tests run a real 2-node Ray cluster
+        "test": ["pytest>=8", "hypothesis>=6.100",  # property-based reward tests (tests/test_answer_properties.py)
+                 "ray>=2.40",  # the Ray launcher's tests run a real 2-node Ray cluster
                  "wandb>=0.17",  # the offline-mode test of the stats logger
                  # agents written for these clients, trained through the proxy (tests/test_proxy.py, recipes/agents)
                  "openai>=1.60", "openai-agents>=0.2", "langgraph>=0.3", "langchain-openai>=0.3"],
