@@ -116,7 +116,7 @@ def test_client_rejects_what_it_cannot_train_on(tiny_model_dir):
     msgs = [{"role": "user", "content": "hi"}]
     with pytest.raises(ValueError, match="gconfig.temperature"):
         asyncio.run(client.chat.completions.create(messages=msgs, temperature=1.0))
-    with pytest.raises(ValueError, match="n=2"):
+    with pytest.raises(ValueError, match="'n'=2"):
         asyncio.run(client.chat.completions.create(messages=msgs, n=2))
     with pytest.raises(RuntimeError, match="no chat.completions.create call"):
         client.export_episode(0.0)

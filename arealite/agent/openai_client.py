@@ -11,13 +11,31 @@ Every call is recorded (:class:`CompletionRecord`: prompt ids, sampled ids, logp
 Token-in, token-out: when a call's ``messages`` extend an earlier call's messages by that call's
 own reply (as returned, unchanged) plus new messages, its prompt ids are the earlier prompt +
 sampled ids + the tokenised new messages only (:func:`chat_segment_ids`), so a conversation is
-one trajectory whose ids are exactly the sampled ones. Otherwise (edited history, new tools) the
-messages are tokenised afresh and the call starts a new chain.
+one trajectory whose ids are exactly the sampled ones. Otherwise (edited history, new tools, or a
+chat template that is not append-only, e.g. Qwen3's, which drops the reasoning of earlier
+assistant turns) the messages are tokenised afresh; the call still extends the record whose
+prompt + sampled ids are a prefix of the fresh ids, and starts a new **segment** (a chain of its
+own, never an error) when none is. :meth:`ArealOpenAI.export_episode` trains on the segment of
+the last call; :meth:`ArealOpenAI.export_episodes` gives every segment as its own sample.
+
+A call that is cancelled (the caller's timeout, a client that gave up) records nothing, so a
+retry of the same messages extends the trajectory as if it were the only call.
 
 Only the subset of the API that agents use for chat is implemented (``messages``, ``tools``,
-``temperature``, ``max_tokens`` / ``max_completion_tokens``, ``top_p``, ``n=1``); the returned
-objects mirror ``openai.types.chat.ChatCompletion`` attribute names (``choices[0].message.content``,
+``tool_choice`` auto/none, ``max_tokens`` / ``max_completion_tokens``); sampling fields follow
+:mod:`arealite.agent.sampling` (refused unless neutral: ``temperature`` must be the trainer's,
+``top_p`` 1, ``n`` 1, ...; others ignored and reported). The returned objects mirror
+``openai.types.chat.ChatCompletion`` attribute names (``choices[0].message.content``,
 ``.tool_calls``, ``.finish_reason``, ``usage``) without depending on the ``openai`` package.
+
+Tool calls are parsed from Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+text (:func:`parse_tool_calls`). ``function.arguments`` is always a JSON string that decodes, once,
+to an object, as in OpenAI's API: arguments written as an object are serialised; arguments written
+as a string holding a JSON object are decoded once (never double-encoded); absent, null or blank
+arguments are ``"{}"``. A block whose arguments are anything else (a list, a number, a string that
+is not a JSON object), whose JSON is malformed or whose ``name`` is not a non-empty string is not a
+tool call: its text stays in ``content`` only, and a reply without a valid call finishes with
+``"stop"``.
 """
 
 from __future__ import annotations
@@ -37,6 +55,7 @@ from arealite.api.config import GenerationConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest
 from arealite.api.workflow import RolloutWorkflow
+from arealite.agent.sampling import SamplingError, check_sampling
 from arealite.workflow.multi_turn import (Episode, chat_segment_ids, dump_episodes, episodes_to_batch, rollouts_path,
                                          summarize_episodes)
 
@@ -107,16 +126,35 @@ def _as_dict(message: Any) -> dict[str, Any]:
     return d
 
 
-def _parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
+def _arguments(value: Any) -> str | None:
+    """``arguments`` as OpenAI returns them (a JSON string of an object), or None when ``value``
+    is not an object's arguments (see the module docstring)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return "{}"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)  # decoded exactly once
+        except json.JSONDecodeError:
+            return None
+    return json.dumps(value) if isinstance(value, dict) else None
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """The OpenAI ``tool_calls`` of a generated ``text`` (Hermes-style ``<tool_call>`` blocks), or
+    None when it has no valid one. Each call's ``function.arguments`` is a JSON string with
+    ``isinstance(json.loads(arguments), dict)``; invalid blocks are skipped (module docstring)."""
     calls = []
     for m in _TOOL_CALL_RE.finditer(text):
         try:
             obj = json.loads(m.group(1))
         except json.JSONDecodeError:
             continue
-        if isinstance(obj, dict) and "name" in obj:
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"].strip()):
+            continue
+        arguments = _arguments(obj.get("arguments"))
+        if arguments is not None:
             calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                          "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
+                          "function": {"name": obj["name"], "arguments": arguments}})
     return calls or None
 
 
@@ -147,36 +185,55 @@ class ArealOpenAI:
             k = len(rec.messages)
             if (rec.tools == tools and len(messages) > k + 1 and messages[:k] == rec.messages
                     and messages[k]["role"] == "assistant" and messages[k]["content"] == rec.text):
-                seg = chat_segment_ids(self.tokenizer, messages[k + 1:], rec.output_ids[-1] if rec.output_ids else None)
+                try:
+                    seg = chat_segment_ids(self.tokenizer, messages[k + 1:],
+                                           rec.output_ids[-1] if rec.output_ids else None)
+                except ValueError:  # the template is not append-only: render afresh, below
+                    break
                 return rec.prompt_ids + rec.output_ids + seg, rec.id
         kwargs = {"tools": tools} if tools else {}
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
-        return list(out), None
+        ids = list(out)
+        return ids, self._token_parent(ids)
 
-    async def create(self, messages: list[Any], tools: list[dict] | None = None, temperature: float | None = None,
-                     max_tokens: int | None = None, max_completion_tokens: int | None = None,
-                     top_p: float | None = None, n: int = 1, **unused: Any) -> ChatCompletion:
+    def _token_parent(self, ids: list[int]) -> str | None:
+        """The latest record whose prompt + sampled ids are a proper prefix of ``ids`` (the fresh
+        prompt extends its trajectory token for token), or None: a new segment."""
+        for rec in reversed(self.records):
+            p, n = len(rec.prompt_ids), len(rec.prompt_ids) + len(rec.output_ids)
+            if n < len(ids) and ids[:p] == rec.prompt_ids and ids[p:n] == rec.output_ids:
+                return rec.id
+        return None
+
+    async def create(self, messages: list[Any], tools: list[dict] | None = None, max_tokens: int | None = None,
+                     max_completion_tokens: int | None = None, tool_choice: Any = None,
+                     model: str | None = None, **params: Any) -> ChatCompletion:
         """Generate one assistant reply to ``messages`` (see the module docstring).
 
+        ``tool_choice`` "none" generates without tools ("auto" or None: with them); sampling fields in ``params`` follow
+        :func:`arealite.agent.sampling.check_sampling` (others are ignored, logged at debug).
+
         Raises:
-            ValueError: ``n != 1``, or a ``temperature`` different from ``gconfig.temperature``
-                (the trainer divides logits by ``gconfig.temperature``, so recorded logprobs
-                under another temperature would not be the behaviour policy's).
+            SamplingError: a ``ValueError`` naming a refused field (``temperature`` different
+                from ``gconfig.temperature``, ``top_p < 1``, ``n != 1``, a penalty, ...): recorded
+                logprobs under it would not be the ones the trainer recomputes; or a forced
+                ``tool_choice``.
         """
-        if n != 1:
-            raise ValueError(f"n={n}: ArealOpenAI returns one choice per call; call create() n times")
-        if temperature is not None and abs(temperature - self.gconfig.temperature) > 1e-9:
-            raise ValueError(f"temperature={temperature} differs from gconfig.temperature={self.gconfig.temperature}, "
-                             "which the trainer uses; omit temperature or set gconfig.temperature")
-        if unused:
-            logger.debug("ArealOpenAI.create ignores %s", sorted(unused))
+        ignored = check_sampling(params, self.gconfig)
+        if ignored:
+            logger.debug("ArealOpenAI.create ignores %s", ignored)
+        if tool_choice not in (None, "auto", "none"):
+            raise SamplingError("tool_choice", f"'tool_choice'={tool_choice!r}: only 'auto' and 'none' are "
+                                "supported (a forced call is not sampled freely); parse the reply instead")
+        if tool_choice == "none":
+            tools = None
         msgs = [_as_dict(m) for m in messages]
         prompt_ids, parent = self._prompt_ids(msgs, tools)
         budget = max_completion_tokens or max_tokens or self.gconfig.max_new_tokens
-        gconfig = replace(self.gconfig, n_samples=1, max_new_tokens=budget,
-                          top_p=self.gconfig.top_p if top_p is None else top_p)
+        gconfig = replace(self.gconfig, n_samples=1, max_new_tokens=budget)
+        # cancelled here (a caller's timeout): nothing is recorded, a retry is the only call
         resp = await self.engine.agenerate(ModelRequest(input_ids=prompt_ids, gconfig=gconfig, rid=self.rid))
         text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         rec = CompletionRecord(id=f"chatcmpl-{uuid.uuid4().hex}", messages=msgs, tools=tools, prompt_ids=prompt_ids,
@@ -184,12 +241,21 @@ class ArealOpenAI:
                                output_versions=list(resp.output_versions), text=text, stop_reason=resp.stop_reason,
                                parent=parent)
         self.records.append(rec)
-        tool_calls = _parse_tool_calls(text) if tools else None
+        tool_calls = parse_tool_calls(text) if tools else None
         finish = "tool_calls" if tool_calls else ("length" if resp.stop_reason == "length" else "stop")
         return ChatCompletion(
             id=rec.id, created=int(time.time()), model=self.model,
             choices=[Choice(0, ChatCompletionMessage("assistant", text, tool_calls), finish)],
             usage=CompletionUsage(len(prompt_ids), resp.output_len, len(prompt_ids) + resp.output_len))
+
+    def discard(self, record_id: str) -> bool:
+        """Forget the call ``record_id`` (an orphan: its caller never received the reply) unless a
+        later call extends it. Returns whether it was removed."""
+        if any(r.parent == record_id for r in self.records):
+            return False
+        before = len(self.records)
+        self.records = [r for r in self.records if r.id != record_id]
+        return len(self.records) < before
 
     # -- export ----------------------------------------------------------------------------------
     def chains(self) -> list[list[CompletionRecord]]:
@@ -209,8 +275,9 @@ class ArealOpenAI:
         """The trajectory of the chain containing the **last** call, with ``reward``.
 
         Sampled ids have ``loss_mask = 1``, their logprobs and versions; prompt, template and
-        user/tool message ids have 0, 0.0 and -1. Calls outside that chain (e.g. a history the
-        agent rewrote) are not included; a warning says how many.
+        user/tool message ids have 0, 0.0 and -1. Calls outside that chain (a history the agent
+        rewrote, the earlier segments of a template that rewrites past turns) are not included; a
+        warning says how many (:meth:`export_episodes` gives them all).
 
         Raises:
             RuntimeError: the client made no call.
@@ -218,21 +285,36 @@ class ArealOpenAI:
         if not self.records:
             raise RuntimeError("ArealOpenAI.export_episode: the agent made no chat.completions.create call")
         chains = self.chains()
-        chain = chains[-1]
         if len(chains) > 1:
             logger.warning("export_episode: %d of %d calls are in other chains and are not trained on",
-                           len(self.records) - len(chain), len(self.records))
-        leaf = chain[-1]
-        ep = Episode(reward=float(reward), turns=len(chain), no_eos=leaf.stop_reason == "length")
-        pos = 0
-        for rec in chain:
-            ep.append(rec.prompt_ids[pos:], sampled=False)  # all new ids before this call's output
-            ep.append(rec.output_ids, True, rec.output_logprobs, rec.output_versions)
-            ep.requests.append(list(rec.prompt_ids))
-            ep.texts.append(rec.text)
-            pos = len(rec.prompt_ids) + len(rec.output_ids)
-        assert ep.input_ids == leaf.prompt_ids + leaf.output_ids  # chains are prefix-consistent
-        return ep
+                           len(self.records) - len(chains[-1]), len(self.records))
+        return _chain_episode(chains[-1], reward)
+
+    def export_episodes(self, reward: float) -> list[Episode]:
+        """Every chain (trajectory segment) as its own :class:`Episode`, each with ``reward``, in
+        the order of :meth:`chains`: one sample per segment, for workflows that train each segment
+        (one row per session, e.g. a GRPO group, uses :meth:`export_episode`).
+
+        Raises:
+            RuntimeError: the client made no call.
+        """
+        if not self.records:
+            raise RuntimeError("ArealOpenAI.export_episodes: the agent made no chat.completions.create call")
+        return [_chain_episode(chain, reward) for chain in self.chains()]
+
+
+def _chain_episode(chain: list[CompletionRecord], reward: float) -> Episode:
+    leaf = chain[-1]
+    ep = Episode(reward=float(reward), turns=len(chain), no_eos=leaf.stop_reason == "length")
+    pos = 0
+    for rec in chain:
+        ep.append(rec.prompt_ids[pos:], sampled=False)  # all new ids before this call's output
+        ep.append(rec.output_ids, True, rec.output_logprobs, rec.output_versions)
+        ep.requests.append(list(rec.prompt_ids))
+        ep.texts.append(rec.text)
+        pos = len(rec.prompt_ids) + len(rec.output_ids)
+    assert ep.input_ids == leaf.prompt_ids + leaf.output_ids  # chains are prefix-consistent
+    return ep
 
 
 class _Completions:

@@ -16,12 +16,18 @@ Endpoints (JSON; errors are OpenAI-style ``{"error": {"message", "type", "param"
 
 - ``POST /s/<id>/v1/chat/completions``: ``messages`` (roles system/developer/user/assistant/tool;
   content a string or a list of ``{"type": "text"}`` parts), ``tools`` (function tools; parsed
-  from Hermes-style ``<tool_call>{...}</tool_call>`` text like ``ArealOpenAI``; if the chat
-  template ignores ``tools``, a description of them is appended to the system message, see
-  :func:`tools_system_text`), ``tool_choice`` ``auto``/``none`` only, ``temperature`` (must equal the
-  trainer's, as for ``ArealOpenAI``), ``top_p``, ``max_tokens`` / ``max_completion_tokens``,
-  ``n = 1`` (no ``stop`` sequences), ``stream`` (true: server-sent ``chat.completion.chunk`` events, then
-  ``data: [DONE]``; the reply is generated whole, then sent). Other fields are ignored.
+  from Hermes-style ``<tool_call>{...}</tool_call>`` text like ``ArealOpenAI``, ``arguments``
+  always a JSON string of an object, see :func:`~arealite.agent.openai_client.parse_tool_calls`;
+  if the chat template ignores ``tools``, a description of them is appended to the system
+  message, see :func:`tools_system_text`), ``tool_choice`` ``auto``/``none`` only,
+  ``max_tokens`` / ``max_completion_tokens``, ``stream`` (true: server-sent
+  ``chat.completion.chunk`` events, then ``data: [DONE]``; the reply is generated whole, then
+  sent). Sampling fields follow :mod:`arealite.agent.sampling`: one that would make the recorded
+  logprobs wrong for RL (``temperature`` other than the trainer's, ``top_p < 1``, ``top_k``,
+  ``min_p``, penalties, ``logit_bias``, ``n``/``best_of`` > 1, ``stop``, constrained
+  ``response_format``) is a 400 ``{"error": {"message", "type": "invalid_request_error",
+  "param": <field>, "code": "unsupported_value"}}`` saying how to fix it; the others (``seed``,
+  ``logprobs``, ``user``, ...) are ignored and named in the ``X-Arealite-Ignored-Params`` header.
 - ``GET /v1/models`` and ``GET /s/<id>/v1/models``.
 - ``POST /s/<id>/reward`` (alias ``/s/<id>/rl/set_reward``, AReaL's name): ``{"reward": float}``,
   the episode reward set by the agent itself.
@@ -31,7 +37,20 @@ request of a timed-out session can never land in another episode).
 
 The reply's ``content`` is the full generated text (tool-call markup included) so that a client
 that sends its history back unchanged extends the same trajectory (prefix matching compares the
-assistant text with what was sampled).
+assistant text with what was sampled). A chat template that rewrites earlier turns (Qwen3's
+drops past reasoning) is not an error: the call starts a new trajectory segment
+(:mod:`arealite.agent.openai_client`).
+
+Weight updates: a call that arrives, or is generating, while the trainer updates the weights is
+held by the inference engine (paused servers keep it; an interrupted generation resumes under the
+new weights) and completes; each sampled token records the version that produced it. The proxy
+itself never times a call out.
+
+Orphans (AReaL#1498): a client that gives up on a call (its timeout) and retries the same
+messages leaves the first call behind. The server cancels a call whose client disconnected
+(``handler_cancellation``), so it records nothing; one that finished in the same instant is
+discarded (:meth:`ArealOpenAI.discard`). Either way it is counted in ``stats["orphans"]`` and the
+retry extends the trajectory as if it had been the only call.
 """
 
 from __future__ import annotations
@@ -49,6 +68,7 @@ from typing import Any
 from aiohttp import web
 
 from arealite.agent.openai_client import ArealOpenAI, ChatCompletion
+from arealite.agent.sampling import IGNORED_HEADER, SamplingError, check_sampling
 from arealite.api.config import GenerationConfig, ProxyConfig
 from arealite.api.engine import InferenceEngine
 
@@ -58,15 +78,17 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class BadRequest(ValueError):
-    """A request field is malformed; ``param`` names it (e.g. ``messages[2].content``)."""
+    """A request field is malformed or unsupported; ``param`` names it (e.g.
+    ``messages[2].content``), ``code`` is the OpenAI error code (None, or ``unsupported_value``)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
 
 
@@ -155,18 +177,30 @@ def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False) -
     return v
 
 
-def parse_request(body: Any) -> dict[str, Any]:
+# fields the proxy itself uses; every other field goes through arealite.agent.sampling
+_USED = ("messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+         "model")
+
+
+def parse_request(body: Any, gconfig: GenerationConfig | None = None) -> dict[str, Any]:
     """Validate a Chat Completions body; returns the keyword arguments of ``ArealOpenAI.create``
-    plus ``stream`` and ``include_usage``.
+    plus ``stream``, ``include_usage`` and ``ignored`` (the fields ignored under
+    :mod:`arealite.agent.sampling`, sorted).
+
+    Args:
+        body: the decoded JSON body.
+        gconfig: the session's sampling parameters (the trainer's ``temperature``).
 
     Raises:
-        BadRequest: naming the bad field (``n != 1``, a non-function tool, a bad number, ...).
+        BadRequest: naming the bad field (a non-function tool, a bad number, a sampling field
+            the RL record cannot honour: code ``unsupported_value``, ...).
     """
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    n = body.get("n", 1)
-    if n != 1:
-        raise BadRequest(f"'n'={n!r}: the training proxy returns one choice per call (n=1); call it n times", "n")
+    try:
+        ignored = check_sampling({k: v for k, v in body.items() if k not in _USED}, gconfig or GenerationConfig())
+    except SamplingError as e:
+        raise BadRequest(str(e), e.param, "unsupported_value") from None
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -179,10 +213,7 @@ def parse_request(body: Any) -> dict[str, Any]:
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise BadRequest(f"'tool_choice'={choice!r}: only 'auto' and 'none' are supported (the proxy cannot "
-                         "force a call)", "tool_choice")
-    if body.get("stop"):
-        raise BadRequest(f"'stop'={body['stop']!r}: stop sequences are not supported by the training proxy (the "
-                         "recorded ids must be exactly the sampled ones); stop in the agent instead", "stop")
+                         "force a call)", "tool_choice", "unsupported_value")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream'={stream!r}: must be true or false", "stream")
@@ -192,10 +223,9 @@ def parse_request(body: Any) -> dict[str, Any]:
     return {
         "messages": normalize_messages(body.get("messages")),
         "tools": (tools or None) if choice != "none" else None,
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": _number(body, "top_p", 0.0, 1.0),
         "max_tokens": max_tokens, "max_completion_tokens": max_completion,
         "stream": stream, "include_usage": bool(isinstance(opts, dict) and opts.get("include_usage")),
+        "ignored": ignored,
     }
 
 
@@ -246,14 +276,17 @@ class TrainingProxy:
 
     ``stats``: counters ``sessions_opened``, ``sessions_closed``, ``sessions_timed_out`` (the
     workflow reports them through :meth:`close_session`), ``requests``, ``bad_requests``,
-    ``unknown_session``, ``engine_errors``.
+    ``unknown_session``, ``engine_errors``, ``orphans`` (calls whose client gave up: not
+    recorded) and ``ignored_params`` (requests with fields ignored under
+    :mod:`arealite.agent.sampling`).
     """
 
     def __init__(self, tokenizer, gconfig: GenerationConfig, config: ProxyConfig | None = None):
         self.tokenizer, self.gconfig, self.config = tokenizer, gconfig, config or ProxyConfig()
         self.sessions: dict[str, Session] = {}
         self.stats = dict.fromkeys(("sessions_opened", "sessions_closed", "sessions_timed_out", "requests",
-                                    "bad_requests", "unknown_session", "engine_errors"), 0)
+                                    "bad_requests", "unknown_session", "engine_errors", "orphans",
+                                    "ignored_params"), 0)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self._template_renders_tools: bool | None = None
@@ -268,7 +301,8 @@ class TrainingProxy:
             web.post("/v1/chat/completions", self._chat), web.post("/s/{sid}/v1/chat/completions", self._chat),
             web.post("/s/{sid}/reward", self._reward), web.post("/s/{sid}/rl/set_reward", self._reward),
         ])
-        self._runner = web.AppRunner(app, access_log=None)
+        # a client that disconnects (gave up on a call) cancels its handler: the orphan records nothing
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -381,20 +415,26 @@ class TrainingProxy:
         if session is None:
             return self._unknown(request)
         try:
-            args = parse_request(await self._json(request))
+            args = parse_request(await self._json(request), session.client.gconfig)
         except BadRequest as e:
             self.stats["bad_requests"] += 1
             logger.info("proxy: 400 for session %s: %s", session.id, e)
-            return _error(400, str(e), e.param)
-        stream, include_usage = args.pop("stream"), args.pop("include_usage")
+            return _error(400, str(e), e.param, code=e.code)
+        stream, include_usage, ignored = args.pop("stream"), args.pop("include_usage"), args.pop("ignored")
+        headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else {}
+        if ignored:
+            self.stats["ignored_params"] += 1
+            logger.debug("proxy: session %s ignores %s", session.id, ignored)
         args["messages"] = self._with_tool_text(args["messages"], args["tools"])
         session.requests += 1
         try:
             completion = await session.client.create(**args)
-        except ValueError as e:  # ArealOpenAI's checks (temperature, n)
+        except ValueError as e:  # the messages cannot be rendered (e.g. a template's own check)
             self.stats["bad_requests"] += 1
-            return _error(400, str(e), "temperature" if "temperature" in str(e) else None)
-        except asyncio.CancelledError:
+            return _error(400, str(e), None)
+        except asyncio.CancelledError:  # the client disconnected (gave up): nothing was recorded
+            self.stats["orphans"] += 1
+            logger.info("proxy: session %s: the client gave up on a call; it is not recorded", session.id)
             raise
         except Exception as e:
             self.stats["engine_errors"] += 1
@@ -402,9 +442,15 @@ class TrainingProxy:
             return _error(500, f"generation failed: {e!r}", None, "server_error")
         if session.closed:  # the session timed out while this call was generating: not recorded
             return self._unknown(request)
+        if request.transport is None or request.transport.is_closing():  # gone as it finished
+            self.stats["orphans"] += 1
+            session.client.discard(completion.id)
+            logger.info("proxy: session %s: the client left before its reply; the call is discarded", session.id)
+            return web.Response(status=499)
         if not stream:
-            return web.json_response(completion_json(completion))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            return web.json_response(completion_json(completion), headers=headers)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **headers})
         await resp.prepare(request)
         for chunk in completion_chunks(completion, include_usage):
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
