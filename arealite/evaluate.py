@@ -43,9 +43,10 @@ import torch
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest
 from arealite.dataset.math_data import load_dataset
+from arealite.reward.answer import extract_final_answer
 from arealite.reward.math import math_reward
 from arealite.utils.hf import tokenize_chat
-from arealite.utils.metrics import extract_final_answer, summarize
+from arealite.utils.metrics import summarize
 
 _SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 DATASETS = {  # names accepted by --dataset (paths relative to the repository's ../shared/data)
@@ -147,7 +148,8 @@ async def aevaluate_samples(engine, tokenizer, rows: list[dict], n_samples: int,
 def score(rows: list[dict], completions: list[list[str]],
           reward_fn: Callable[[str, str], float] = math_reward) -> list[dict]:
     """Per-problem records: ``question``, ``answer``, ``completions``, ``correct`` (reward > 0.5
-    per sample) and ``answers`` (:func:`~arealite.utils.metrics.extract_final_answer`)."""
+    per sample) and ``answers`` (:func:`~arealite.reward.answer.extract_final_answer`, the
+    reward's own extraction; the votes group them by the reward's equivalence)."""
     return [{"question": r.get("question", r["messages"][-1]["content"]), "answer": r["answer"], "completions": c,
              "correct": [reward_fn(t, r["answer"]) > 0.5 for t in c],
              "answers": [extract_final_answer(t) for t in c]} for r, c in zip(rows, completions)]

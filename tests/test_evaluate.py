@@ -27,13 +27,40 @@ def test_pass_at_k_equals_the_closed_form_on_hand_made_samples():
         pass_at_k(4, 5, 1)
 
 
-def test_extract_final_answer_canonicalises_for_voting():
-    assert extract_final_answer("so the answer is \\boxed{\\frac{1}{2}}.") == "1/2"
-    assert extract_final_answer("x = 0.5") == "1/2"
+def test_the_reward_the_evaluator_and_the_vote_share_one_answer_module():
+    import arealite.evaluate as ev
+    import arealite.reward.answer as answer
+    import arealite.reward.math as rm
+    import arealite.utils.metrics as metrics
+
+    assert rm.extract_final_answer is answer.extract_final_answer is metrics.extract_final_answer
+    assert ev.extract_final_answer is answer.extract_final_answer
+    assert rm.answers_equivalent is answer.answers_equivalent is metrics.answers_equivalent
+    assert metrics.group_answers is answer.group_answers
+
+
+def test_extract_final_answer_gives_whole_expressions_for_voting():
+    assert extract_final_answer("so the answer is \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
+    assert extract_final_answer("x = 0.5") == "0.5"
     assert extract_final_answer("total 1,250 dollars") == "1250"
-    assert extract_final_answer("\\boxed{x^{2}+1} then \\boxed{ 2.50 }") == "5/2"
-    assert extract_final_answer("\\boxed{(1, 2)}") == "(1,2)"
+    assert extract_final_answer("\\boxed{x^{2}+1} then \\boxed{ 2.50 }") == "2.50"
+    assert extract_final_answer("\\boxed{(1, 2)}") == "(1, 2)"
     assert extract_final_answer("no number here") is None
+
+
+def test_votes_group_answers_the_reward_judges_equal():
+    from arealite.reward.answer import group_answers
+
+    forms = ["\\dfrac{1}{2}", "\\tfrac12", "\\frac12", "0.5", "1/2", "50%", "0.50"]
+    assert group_answers(forms) == [0] * len(forms)
+    assert group_answers(["3", None, "0.5", "3.0", "\\frac{6}{2}", "\\frac{1}{2}"]) == [0, None, 2, 0, 0, 2]
+    # Four spellings of 1/2 (right) against three identical wrong strings: the right answer wins,
+    # although as raw strings "1/3" has the most votes.
+    texts = ["\\boxed{\\dfrac{1}{2}}", "\\boxed{1/3}", "\\boxed{\\frac12}", "\\boxed{1/3}", "the answer is 0.5",
+             "\\boxed{1/3}", "\\boxed{\\tfrac{1}{2}}"]
+    answers = [extract_final_answer(t) for t in texts]
+    correct = [a != "1/3" for a in answers]
+    assert majority_correct(answers, correct, 7) is True
 
 
 def test_majority_vote_on_hand_made_answers():

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from arealite.reward.math import (
+    extract_final_answer,
     extract_gsm8k_answer,
-    extract_last_number,
     gsm8k_reward,
     math_reward,
 )
@@ -114,16 +114,32 @@ def test_extract_gsm8k_answer():
         ("The answer is 1,000.", "1000"),
         ("I think 12... no wait, 13", "13"),
         ("57.", "57"),
-        ("x = -7 and 3.25", "3.25"),
+        ("x = -7 and 3.25", "-7 and 3.25"),  # two values joined by "and": one compound answer
         ("it fell to -0.25.", "-0.25"),
         ("1,234,567 people", "1234567"),
-        ("3-4", "4"),  # binary minus is not a sign
+        ("3-4", "3-4"),  # a calculation, whole
+        ("so the area is $\\frac{2}{7}$.", "\\frac{2}{7}"),
+        ("She has 3\\frac{1}{2} cups", "3\\frac{1}{2}"),
+        ("The area is 5 cm^2.", "5"),
+        ("The area is 5 \\text{ cm}^{2}.", "5"),
+        ("\\boxed{5} wait, that's wrong. \\boxed{6}", "6"),
+        ("\\boxed{5}. So the answer is 7 apples.", "7"),
+        ("The answer is 6 or 7.", "6 or 7"),
+        ("It is either 6 or 7", "either 6 or 7"),
+        ("\\boxed{6} or \\boxed{7}", "6 or 7"),
+        ("48+24 = 72 clips", "72"),
+        ("#### 1,000\n", "1000"),
+        ("Final answer: $\\dfrac{1}{2}$", "\\frac{1}{2}"),
+        ("\\boxed{\\text{Monday}}", "Monday"),
+        ("It costs \\$18.50 in total.", "18.50"),
+        ("so 50 percent of them", "50%"),
+        ("the points are (1, 2) and", "(1, 2)"),
         ("no digits", None),
         ("", None),
     ],
 )
-def test_extract_last_number(text, expected):
-    assert extract_last_number(text) == expected
+def test_extract_final_answer_takes_the_whole_last_answer(text, expected):
+    assert extract_final_answer(text) == expected
 
 
 # ---------------------------------------------------------------- RewardWorker

@@ -5,22 +5,23 @@
   which ``c`` are correct, ``pass@k = 1 - C(n-c, k) / C(n, k)``, computed as the product
   ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` (no huge binomials). ``pass@1`` is then ``c / n``, the
   mean accuracy over the samples. A data set's pass@k is the mean over its problems.
-* **maj@k**: the most frequent extracted final answer among the first ``k`` samples (ties: the
-  answer seen first wins) is correct when the samples giving it were scored correct. Samples with
-  no extractable answer do not vote; if none has one, the problem counts as wrong.
+* **maj@k**: the most frequent final answer among the first ``k`` samples (ties: the answer
+  seen first wins) is correct when the samples giving it were scored correct. Samples with no
+  extractable answer do not vote; if none has one, the problem counts as wrong.
 
-Answers are extracted by :func:`extract_final_answer` (last ``\\boxed{}`` content, else the last
-number, the same conventions as :func:`arealite.reward.math.math_reward`) and canonicalised
-(spaces, ``$``, thousands separators; plain numbers as exact fractions, so "2.50" and "5/2"
-vote together) before voting.
+Answers are extracted and compared by the reward's own module (:mod:`arealite.reward.answer`:
+:func:`extract_final_answer` takes the last answer whole, :func:`group_answers` groups answers
+that :func:`answers_equivalent` judges equal), so ``\\dfrac{1}{2}``, ``\\frac12``, ``0.5`` and
+``1/2`` are one vote, exactly as the reward scores them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from fractions import Fraction
 
-from arealite.reward.math import extract_last_number, strip_thousands_separators
+from arealite.reward.answer import answers_equivalent, extract_final_answer, group_answers
+
+__all__ = ["answers_equivalent", "extract_final_answer", "majority_correct", "pass_at_k", "summarize"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -44,48 +45,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prod
 
 
-def extract_final_answer(completion: str) -> str | None:
-    """The final answer of a completion, canonicalised for voting, or None.
-
-    The content of the last ``\\boxed{...}`` (braces matched by depth), else the last number
-    literal (:func:`~arealite.reward.math.extract_last_number`). Canonical form: spaces and
-    ``$`` removed, real thousands separators removed, a plain decimal or ``a/b`` as its exact
-    reduced fraction (``"2.50"`` → ``"5/2"``, ``"4"`` → ``"4"``).
-    """
-    if not isinstance(completion, str) or not completion:
-        return None
-    text = None
-    start = completion.rfind("\\boxed")
-    if start >= 0:
-        i = completion.find("{", start)
-        if i >= 0:
-            depth, j = 0, i
-            while j < len(completion):
-                depth += {"{": 1, "}": -1}.get(completion[j], 0)
-                if depth == 0:
-                    text = completion[i + 1 : j]
-                    break
-                j += 1
-    if text is None:
-        text = extract_last_number(completion)
-    if text is None:
-        return None
-    text = strip_thousands_separators(text.replace("$", "").replace(" ", "").strip())
-    if text.startswith("\\frac{") and text.count("{") == 2 and text.endswith("}"):
-        text = text[len("\\frac{"):-1].replace("}{", "/")
-    try:
-        return str(Fraction(text))
-    except (ValueError, ZeroDivisionError):
-        return text or None
-
-
 def majority_correct(answers: list[str | None], correct: list[bool], k: int) -> bool:
     """maj@k of one problem: whether the most frequent answer among ``answers[:k]`` is correct.
 
     Args:
-        answers: extracted (canonical) answers of the samples, None = no answer.
+        answers: extracted answers of the samples (:func:`extract_final_answer`), None = no
+            answer; equivalent answers (:func:`group_answers`) are one vote.
         correct: per-sample correctness (same length); the majority answer is correct when the
-            first sample giving it is (samples with the same canonical answer agree).
+            first sample giving it is.
         k: samples voting (the first ``k``).
 
     Ties are broken by first occurrence. Raises ``ValueError`` when ``k`` is not in
@@ -95,12 +62,13 @@ def majority_correct(answers: list[str | None], correct: list[bool], k: int) -> 
         raise ValueError(f"majority_correct: {len(answers)} answers but {len(correct)} correctness flags")
     if not 1 <= k <= len(answers):
         raise ValueError(f"maj@k: k={k} must be in 1..n_samples={len(answers)}; raise --n-samples or lower k")
-    votes = Counter(a for a in answers[:k] if a is not None)
+    groups = group_answers(answers[:k])
+    votes = Counter(g for g in groups if g is not None)
     if not votes:
         return False
     best = max(votes.values())
-    winner = next(a for a in answers[:k] if a is not None and votes[a] == best)
-    return bool(correct[answers.index(winner)])
+    winner = next(g for g in groups if g is not None and votes[g] == best)  # a group's first member
+    return bool(correct[winner])
 
 
 def summarize(per_problem: list[dict], ks: list[int]) -> dict[str, float]:

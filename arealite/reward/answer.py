@@ -1,0 +1,515 @@
+"""The final answer of a text, taken whole, and when two answers are the same: the one module that
+the math reward (:mod:`arealite.reward.math`), the evaluator (:mod:`arealite.evaluate`) and majority
+voting (:mod:`arealite.utils.metrics`) share.
+
+**Extraction** (:func:`extract_final_answer`). The final answer is the expression after the *last*
+answer marker — ``\\boxed{...}`` / ``\\fbox{...}`` (its braces matched), ``####``, or "answer is /
+answer: / final answer is" — so a self-corrected solution ("\\boxed{5} ... wait, that's wrong ...
+\\boxed{6}") answers 6. Without a marker it is the last expression of the text. Either way it is a
+*whole* expression, never a fragment of one: a fraction (``\\frac{2}{7}``, ``2/7``), a power
+(``7^2``), a mixed number (``3\\frac{1}{2}``, ``3 1/2``), a tuple / interval / list, a
+percentage, and the right-hand side of a last ``=`` (``48+24 = 72`` answers 72). Around a number,
+currency signs, ``\\text{...}`` and unit words — with their powers (``5 cm^2`` answers 5) — are
+dropped; anywhere else a word ends the answer. Two expressions joined by a hedge ("6 or 7",
+"either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7") are one compound
+answer, equal to no single value.
+
+**Equivalence** (:func:`answers_equivalent`). Plain numbers (integers, decimals, ``a/b``,
+``\\frac``/``\\dfrac``/``\\tfrac``/``\\frac12``, mixed numbers, percentages) compare as exact
+rationals (:func:`parse_number`): ``2.50 == 5/2 == 2\\frac{1}{2}``; ``p%`` equals ``p`` and
+``p/100``; a decimal stands for a non-terminating rational only as its rounding to >= 2 places
+(``0.33`` for 1/3). Against a plain-number gold, an unevaluated calculation (``23 + 50``,
+``3 \\cdot 4``) is not an answer. Everything else goes to math-verify's ``parse``/``verify`` on the
+two whole expressions (``$...$``), with its numeric verdict checked to a relative tolerance
+(:func:`_numerically_distinct`: math-verify alone calls 2^-99 and 2^-100 equal).
+
+**Votes** (:func:`group_answers`): answers are grouped by that equivalence, so ``\\dfrac{1}{2}``,
+``\\frac12``, ``0.5`` and ``1/2`` vote together.
+
+math-verify's own signal timeouts are disabled (they work only in the main thread); run the
+reward under :class:`arealite.reward.worker.RewardWorker`, which bounds its time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from fractions import Fraction
+
+# math_verify warns on every call that its signal timeouts are disabled: our worker enforces one.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+# Only the tail of very long completions is parsed: final answers live at the end.
+MAX_PARSE_CHARS = 20_000
+# Answers (extracted, or gold) longer than this are not given to math-verify (its parser is
+# superlinear on long garbage): they are then equal only when their text is.
+MAX_ANSWER_CHARS = 1_000
+
+# Real thousands separators only: 1-3 digits, then groups of exactly 3 ("1,234", "-12,345,678"),
+# not inside a longer run of digit groups ("1,234,5" is a list; "(1,2)" a pair).
+_THOUSANDS_RE = re.compile(r"(?<![\d.])(?<!\d,)-?\d{1,3}(?:,\d{3})+(?!\d|,\d)")
+
+
+def strip_thousands_separators(text: str) -> str:
+    """Remove the commas of real thousands separators (``-?\\d{1,3}(,\\d{3})+``) only.
+
+    ``"1,234,567"`` -> ``"1234567"``, ``"-1,000.5"`` -> ``"-1000.5"``; ``"1,2"``, ``"(1,2)"``,
+    ``"[0,10]"`` and ``"1,23"`` are unchanged, so a comma-separated answer (tuple, list,
+    interval) never turns into an unrelated number."""
+    return _THOUSANDS_RE.sub(lambda m: m.group(0).replace(",", ""), text)
+
+
+# ------------------------------------------------------------------------------------ extraction
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# Textual markers: "####", "final answer is / :", "the answer is / was / would be", and "Answer:"
+# at the start of a line ("check our answer: ..." is not one).
+_TEXT_MARKER_RE = re.compile(
+    r"####|\bfinal\s+answer\b\s*(?:is\b|:|=)\s*:?"
+    r"|\bthe\s+(?:final\s+)?answer\s+(?:is|was|would\s+be|will\s+be)\b\s*:?"
+    r"|^[\s*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
+# A hedge joins two expressions into one compound answer ("6 or 7", "6 and 7", "1, 2, 7").
+_CONNECTORS = {"or", "and", "either", "between"}
+# A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, spaces.
+_TOKEN_RE = re.compile(r"""
+    (?P<text>\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{[^{}]*\})
+  | (?P<num>\d+(?:\.\d+)?|\.\d+)
+  | (?P<cmd>\\(?:begin|end)\s*\{[a-zA-Z*]+\}|\\[a-zA-Z]+|\\[%{}\\])
+  | (?P<word>[A-Za-z]{2,})
+  | (?P<math>[A-Za-z+\-*/^_=<>()\[\]{}%,|!&×·÷−]|\s+)
+  | (?P<other>.)
+""", re.VERBOSE | re.DOTALL)
+# LaTeX spacing/sizing commands and markup dropped before anything else.
+_NOISE_RE = re.compile(r"(?P<keep>\\\\)|\\(?:left|right|big|Big|bigg|Bigg|displaystyle|textstyle)\b|\\[,;:! ]|\\\$|\$|\*\*|~"
+                       r"|\^\s*\{?\s*\\circ\s*\}?|°")
+_NUMBER_TOKEN = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
+_UNIT_POWER_RE = re.compile(r"\s*[\^_]\s*(?:\{\s*-?\d+\s*\}|-?\d+)")
+# A number, a space, a one-letter unit (5 m, 3 g, 2 h) and its power: the answer is the number.
+_LETTER_UNIT_RE = re.compile(r"^([-+]?(?:\d+(?:\.\d+)?|\.\d+))\s+[mgshlLKVWJNA](?:\s*\^\s*(?:\{\s*\d+\s*\}|\d+))?$")
+
+
+def _denoise(text: str) -> str:
+    """:data:`_NOISE_RE` matches replaced by a space; a LaTeX row break ``\\\\`` is kept."""
+    return _NOISE_RE.sub(lambda m: m.group(0) if m.group("keep") else " ", text)
+
+
+def _matching_brace(text: str, i: int) -> int:
+    """Index of the ``}`` closing the ``{`` at ``text[i]``, or -1."""
+    depth = 0
+    for j in range(i, len(text)):
+        c = text[j]
+        if c == "{" and (j == 0 or text[j - 1] != "\\"):
+            depth += 1
+        elif c == "}" and (j == 0 or text[j - 1] != "\\"):
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def _segments(text: str) -> list[tuple[str, str]]:
+    """Split ``text`` into ``("math", s)`` runs and ``("word", w)`` / ``("stop", c)`` separators.
+
+    A multi-letter word (or ``\\text{...}``) ends a run; a ``^``/``_`` right after a word, with its
+    exponent (``cm^2``, ``\\text{m}^{3}``), belongs to the word (a unit's power). Sentence
+    punctuation (``.`` not inside a number, ``:;?!``, quotes, other symbols) is a ``stop``."""
+    out: list[tuple[str, str]] = []
+    cur: list[str] = []
+
+    def flush():
+        if cur:
+            out.append(("math", "".join(cur)))
+            cur.clear()
+
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN_RE.match(text, pos)
+        kind, tok = m.lastgroup, m.group(0)
+        pos = m.end()
+        if kind in ("text", "word"):
+            flush()
+            word = tok[tok.index("{") + 1:-1].strip().lower() if kind == "text" else tok.lower()
+            power = _UNIT_POWER_RE.match(text, pos)
+            if power:  # cm^2, \text{m}^{3}: the unit's own power, never the answer
+                word, pos = word + power.group(0), power.end()
+            out.append(("word", word or "text"))
+        elif kind == "other" or tok == "!":
+            flush()
+            out.append(("stop", tok))
+        else:
+            cur.append(tok)
+    flush()
+    return out
+
+
+def _has_value(run: str) -> bool:
+    return bool(re.search(r"\d|\\(?:frac|dfrac|tfrac|sqrt|pi|infty|emptyset)", run))
+
+
+def _clean_run(run: str) -> str:
+    """Trim a math run to its expression: outer spaces, dangling operators/commas/brackets; the
+    right-hand side of the last top-level ``=`` / ``\\approx``; a unit's power after a number."""
+    s = run.strip()
+    s = re.sub(r"\\(?:approx|simeq|equiv)\b", "=", s)
+    depth, last_eq = 0, -1
+    for i, c in enumerate(s):
+        depth += c in "([{"
+        depth -= c in ")]}"
+        if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
+            last_eq = i
+    if last_eq >= 0:
+        s = s[last_eq + 1:]
+    s = s.strip().strip(",").strip()
+    s = re.sub(r"^[*/^_=<>,]+|[-+*/^_=<>,(\[]+$", "", s).strip()
+    # Unbalanced closing brackets at the end (a sentence's "(... 72)") are not the answer's.
+    while s and s[-1] in ")]}" and s.count(s[-1]) > s.count({")": "(", "]": "[", "}": "{"}[s[-1]]):
+        s = s[:-1].rstrip()
+    while s and s[0] in "([{" and s.count(s[0]) > s.count({"(": ")", "[": "]", "{": "}"}[s[0]]):
+        s = s[1:].lstrip()
+    return s
+
+
+def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
+    """The answer expression of a segment list: the first (``last=False``, after a marker) or the
+    last (``last=True``) math run that holds a value, joined with its neighbours when a hedge
+    (:data:`_CONNECTORS`) or a comma links them."""
+    idx = [i for i, (k, s) in enumerate(segs) if k == "math" and _has_value(s)]
+    if not idx:
+        return None
+    i = idx[-1] if last else idx[0]
+
+    def is_value(j: int) -> bool:
+        return 0 <= j < len(segs) and segs[j][0] == "math" and _has_value(segs[j][1])
+
+    def is_connector(j: int) -> bool:
+        return 0 <= j < len(segs) and segs[j][0] == "word" and segs[j][1] in _CONNECTORS
+
+    lo = hi = i
+    while True:  # "<value> or <value>" to the left
+        j = lo - 1
+        while is_connector(j):
+            j -= 1
+        if j < lo - 1 and is_value(j):
+            lo = j
+            continue
+        break
+    while True:  # and to the right
+        j = hi + 1
+        while is_connector(j):
+            j += 1
+        if j > hi + 1 and is_value(j):
+            hi = j
+            continue
+        break
+    if lo == hi:
+        run = _clean_run(segs[i][1])
+        unit = _LETTER_UNIT_RE.match(run)
+        return (unit.group(1) if unit else run) or None
+    if is_connector(lo - 1):
+        lo -= 1  # "either 6 or 7", "between 6 and 7"
+    parts = [(_clean_run(s) if k == "math" else s) for k, s in segs[lo:hi + 1]]
+    return " ".join(p for p in parts if p)
+
+
+def _after_box(text: str, start: int) -> tuple[str | None, int]:
+    """The content of the ``\\boxed{`` whose brace is at ``start`` and the index after it."""
+    j = _matching_brace(text, start)
+    if j < 0:
+        return None, len(text)
+    return text[start + 1:j], j + 1
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer of ``text`` as one whole expression (see the module docstring), or None.
+
+    Args:
+        text: a completion or a solution (only its last ``MAX_PARSE_CHARS`` characters are read).
+
+    Returns:
+        The expression's text with ``$``, thousands separators, currency, ``\\text{}`` / unit words
+        around a number, spacing commands and a leading ``x =`` removed, e.g. ``"\\frac{2}{7}"``,
+        ``"3\\frac{1}{2}"``, ``"(1, 2)"``, ``"50%"``, ``"6 or 7"`` (a hedge: compound); None when
+        the text holds no value. Never raises on a string; non-strings give None.
+    """
+    if not isinstance(text, str) or not text.strip():
+        return None
+    text = text[-MAX_PARSE_CHARS:]
+    # The last marker: a box, or a textual one (its span runs to the end of the sentence).
+    # Answer markers, the last first; a marker whose span holds no value ("our answer is
+    # correct") gives way to the one before it, and with none the last expression answers.
+    marks = sorted([*_BOX_RE.finditer(text), *_TEXT_MARKER_RE.finditer(text)], key=lambda m: -m.start())
+    for mark in marks:
+        if mark.group(0).startswith("\\"):
+            answer = _boxed_answer(text, mark)
+        else:
+            span = text[mark.end():]
+            if _BOX_RE.search(span) is not None:
+                continue  # "The answer is \boxed{5}": the box inside the span answers
+            if mark.group(0) == "####":
+                span = span.split("\n", 1)[0]
+            else:
+                span = re.split(r"\n|[.!?;](?=\s|$)|(?<!\d)\.(?!\d)", span, maxsplit=1)[0]
+            answer = _normalise(span, last=False)
+        if answer is not None:
+            return answer
+    return _normalise(text, last=True)
+
+
+def normalise_gold(answer: str) -> str | None:
+    """A reference answer normalised as the completion's answer is: the whole of it, as if it
+    were the content of a ``\\boxed{}`` (``"\\text{June 20}"`` -> ``"June 20"``, ``"x = 5"`` ->
+    ``"5"``, ``"18 \\text{ cm}"`` -> ``"18"``). None when it is empty or not a string."""
+    if not isinstance(answer, str) or not answer.strip():
+        return None
+    return extract_final_answer("\\boxed{" + answer.strip()[-MAX_ANSWER_CHARS:] + "}")
+
+
+def _boxed_answer(text: str, box: re.Match) -> str | None:
+    """The answer of the ``\\boxed{`` matched by ``box``; ``\\boxed{6} or \\boxed{7}`` is one hedge."""
+    content, _ = _after_box(text, box.end() - 1)
+    if content is None:
+        return None
+    answer = _normalise(content, last=False, whole=True)
+    if answer is None:  # a boxed word answer ("\boxed{\text{Monday}}"): its text
+        word = re.sub(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", content)
+        return re.sub(r"\s+", " ", _denoise(word)).strip() or None
+    before = _denoise(text[:box.start()]).rstrip()
+    stem = re.sub(r"(?:,|\bor\b|\band\b)\s*$", "", before).rstrip()
+    if stem != before and stem.endswith("}"):
+        prev = None
+        for m in _BOX_RE.finditer(stem):
+            prev = m
+        if prev is not None and _matching_brace(stem, prev.end() - 1) == len(stem) - 1:
+            first = _normalise(stem[prev.end():-1], last=False, whole=True)
+            if first is not None:
+                return f"{first} or {answer}"  # two boxes joined by a hedge
+    return answer
+
+
+def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
+    """The answer expression of ``span`` (:func:`_expression` on its segments), spaces collapsed.
+
+    ``whole``: ``span`` is all answer (a box's content, a gold answer): when words or stops sit
+    *between* two of its values other than a hedge ("3qr + 6q", "3:1", "4:30 p.m."), the whole
+    text is the answer, not its first value."""
+    text = strip_thousands_separators(_denoise(span))
+    text = re.sub(r"\\[dt]frac", r"\\frac", text)
+    text = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", text)  # \frac12
+    text = re.sub(r"\s*\\%", "%", text)
+    text = re.sub(r"(\d)\s*(?:percent|per\s+cent)\b", r"\1%", text)
+    segs = _segments(text)
+    values = [i for i, (k, v) in enumerate(segs) if k == "math" and _has_value(v)]
+    if whole and len(values) > 1 and any(
+            k == "stop" or (k == "word" and v not in _CONNECTORS) for k, v in segs[values[0]:values[-1]]):
+        return re.sub(r"\s+", " ", _clean_run(text)).strip() or None
+    expr = _expression(segs, last)
+    if expr is None:
+        return None
+    return re.sub(r"\s+", " ", expr).strip() or None
+
+
+# ------------------------------------------------------------------------------------ numbers
+_FRAC_RE = re.compile(r"^\\frac\{\s*([-+]?\d+)\s*\}\{\s*([-+]?\d+)\s*\}$")
+_SLASH_RE = re.compile(r"^([-+]?\d+)\s*/\s*([-+]?\d+)$")
+_MIXED_RE = re.compile(r"^([-+]?)(\d+)\s*(?:\\frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}|\s(\d+)\s*/\s*(\d+))$")
+_DECIMAL_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d+)?|\.\d+)$")
+_POWER_RE = re.compile(r"^([-+]?)(\d+)\s*\^\s*(?:\{\s*([-+]?\d+)\s*\}|(\d))$")
+_TUPLE_RE = re.compile(r"^([(\[])(.*)([)\]])$")
+
+
+def parse_number(expr: str) -> tuple[Fraction, bool] | None:
+    """The exact value of a plain-number answer, or None when ``expr`` is anything else.
+
+    Plain numbers: integers, decimals, ``a/b``, ``\\frac{a}{b}`` (also ``\\dfrac``, ``\\tfrac``,
+    ``\\frac12``), integer powers of integers (``2^{10}``, ``10^{-3}``; exponents up to 64, bases
+    up to 4 digits), proper mixed numbers (``3\\frac{1}{2}``, ``3 1/2``; the sign applies to the
+    whole) and percentages (``50%``).
+
+    Returns:
+        ``(value, is_percent)`` — for ``"50%"`` the value is 50 and ``is_percent`` True; None for
+        an expression that is not one plain number (a root, a calculation, a tuple, words), a zero denominator, or a non-string.
+    """
+    if not isinstance(expr, str):
+        return None
+    s = re.sub(r"\\[dt]frac", r"\\frac", expr.strip())
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)$", r"\\frac{\1}{\2}", s)
+    s = strip_thousands_separators(s).replace("−", "-")
+    pct = s.endswith("%")
+    if pct:
+        s = s[:-1].strip()
+    s = re.sub(r"^\(\s*([-+]?[^(),]+?)\s*\)$", r"\1", s)  # "(-5)"
+    try:
+        if _DECIMAL_RE.match(s):
+            return Fraction(s), pct
+        m = _FRAC_RE.match(s) or _SLASH_RE.match(s)
+        if m:
+            return Fraction(int(m.group(1)), int(m.group(2))), pct
+        m = _POWER_RE.match(s)
+        if m and abs(int(m.group(3) or m.group(4))) <= 64 and len(m.group(2)) <= 4:  # 2^{10}, 10^{-3}
+            v = Fraction(int(m.group(2))) ** int(m.group(3) or m.group(4))
+            return (-v if m.group(1) == "-" else v), pct
+        m = _MIXED_RE.match(s)
+        if m:
+            sign, whole = m.group(1), int(m.group(2))
+            num, den = (int(m.group(3)), int(m.group(4))) if m.group(3) else (int(m.group(5)), int(m.group(6)))
+            if 0 < num < den:
+                v = whole + Fraction(num, den)
+                return (-v if sign == "-" else v), pct
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def _terminates(q: Fraction) -> bool:
+    d = q.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d == 1
+
+
+def _decimal_places(expr: str) -> int:
+    m = re.search(r"\.(\d+)\s*%?\s*$", expr.strip())
+    return len(m.group(1)) if m else 0
+
+
+# Relative tolerance between two decimal literals (0.3333333334 vs 0.3333333333).
+NUMERIC_REL_TOL = Fraction(1, 10**9)
+
+
+def _numbers_equal(x: Fraction, x_text: str, y: Fraction, y_text: str) -> bool:
+    """Exact equality; two decimal literals within ``NUMERIC_REL_TOL`` relative (a last-digit
+    rounding of a long decimal: relative, so tiny values never match by magnitude); or a decimal literal with >= 2 places standing for a rational that no
+    decimal writes exactly, as its rounding or truncation (0.33 / 0.333333 for 1/3)."""
+    if x == y:
+        return True
+    if _decimal_places(x_text) and _decimal_places(y_text):  # two decimals: last-digit rounding
+        return abs(x - y) <= NUMERIC_REL_TOL * max(abs(x), abs(y))
+    for dec, dec_text, q, q_text in ((x, x_text, y, y_text), (y, y_text, x, x_text)):
+        k = _decimal_places(dec_text)
+        if k >= 2 and _decimal_places(q_text) == 0 and not _terminates(q):
+            scale = 10 ** k
+            if dec * scale in (round(q * scale), int(q * scale)):  # half to even, or truncation
+                return True
+    return False
+
+
+def _number_candidates(expr: str) -> list[tuple[Fraction, str]] | None:
+    p = parse_number(expr)
+    if p is None:
+        return None
+    v, pct = p
+    return [(v, expr), (v / 100, expr)] if pct else [(v, expr)]
+
+
+def _number_tuple(expr: str) -> tuple[str, list] | None:
+    """``"(1, \\frac12)"`` -> ``("()", [candidates of 1, candidates of 1/2])``: a bracketed tuple
+    or interval of plain numbers, or None."""
+    m = _TUPLE_RE.match(expr.strip())
+    if not m or "(" in m.group(2) or "[" in m.group(2):
+        return None
+    items = [_number_candidates(x) for x in m.group(2).split(",")]
+    if len(items) < 2 or any(i is None for i in items):
+        return None
+    return m.group(1) + m.group(3), items
+
+
+# A calculation: an arithmetic operator between two operands (not a leading sign, not in an exponent).
+_CALCULATION_RE = re.compile(r"(?<=[\w)}\]])\s*(?:[-+*×·÷−]|\\times|\\cdot|\\div)\s*(?=[\w(\\{.])")
+
+
+def _numerically_distinct(a, b) -> bool:
+    """True when sympy numbers ``a`` and ``b`` (no free symbols) differ by more than a relative
+    tolerance: 1e-12 for exact numbers at 50 digits, 1e-4 with a float on either side.
+    math-verify compares ``(a - b).evalf(chop=True) == 0`` with an absolute chop, so 2^-99 and
+    2^-100 would be "equal". Non-numbers (sets, intervals, relations, strings) return False."""
+    try:
+        import sympy
+
+        if not (isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr)):
+            return False
+        if a.free_symbols or b.free_symbols or a.has(sympy.UnevaluatedExpr) or b.has(sympy.UnevaluatedExpr):
+            return False
+        if not (a.is_number and b.is_number):
+            return False
+        x, y = sympy.N(a, 50), sympy.N(b, 50)
+        if not (x.is_real and y.is_real and x.is_finite and y.is_finite):
+            return False
+        tol = 1e-4 if (a.has(sympy.Float) or b.has(sympy.Float)) else 1e-12
+        return bool(abs(x - y) > tol * max(abs(x), abs(y)))
+    except Exception:  # a comparison we cannot judge: keep math-verify's verdict
+        return False
+
+
+def _math_verify_equal(pred: str, gold: str) -> bool:
+    from math_verify import parse, verify
+
+    g = parse("$" + gold + "$", parsing_timeout=None)
+    p = parse("$" + pred + "$", parsing_timeout=None)
+    if not g or not p:
+        return False
+    # Only the parsed objects (index 0), not math-verify's fallback strings: a string match of
+    # "6 or 7" against "7" must never count.
+    return bool(verify([g[0]], [p[0]], timeout_seconds=None)) and not _numerically_distinct(g[0], p[0])
+
+
+def answers_equivalent(pred: str | None, gold: str | None) -> bool:
+    """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
+
+    Args:
+        pred: the model's final answer, e.g. ``"\\frac{1}{2}"``; None never matches.
+        gold: the reference final answer, normalised the same way.
+
+    Returns:
+        True when both are plain numbers with equal exact values (:func:`parse_number`; a
+        percentage also equals its value / 100), or, for anything else, when math-verify's
+        ``verify`` holds on the whole expressions and no relative-precision check vetoes it. A
+        calculation (``23 + 50``) never equals a plain-number gold; a compound hedge never equals
+        anything but the same text; answers with different numbers of commas (a list against a
+        scalar, a pair against a triple) are never equal. Never raises (a failing comparison is False).
+    """
+    if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
+        return False
+    if pred.replace(" ", "") == gold.replace(" ", ""):
+        return True
+    if pred.count(",") != gold.count(","):
+        return False  # a list / tuple / interval never equals a scalar, nor one of another length
+    try:
+        g, p = _number_candidates(gold), _number_candidates(pred)
+        if g is not None:
+            if p is not None:
+                return any(_numbers_equal(a, at, b, bt) for a, at in p for b, bt in g)
+            if _CALCULATION_RE.search(pred) or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred)):
+                return False  # "23 + 50" / "6 or 7" against a number: not an answer
+        elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
+            return False
+        gt, pt = _number_tuple(gold), _number_tuple(pred)
+        if gt is not None and pt is not None:  # (1, 2) vs (1,2): brackets and values, in order
+            return gt[0] == pt[0] and len(gt[1]) == len(pt[1]) and all(
+                any(_numbers_equal(x, xt, y, yt) for x, xt in a for y, yt in b) for a, b in zip(pt[1], gt[1]))
+        if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+            return False
+        return _math_verify_equal(pred, gold)
+    except Exception:
+        return False
+
+
+def group_answers(answers: list[str | None]) -> list[int | None]:
+    """Group extracted answers by :func:`answers_equivalent`: one group id per answer (the index of
+    the group's first member), None for a missing answer. ``["\\frac{1}{2}", "0.5", "3", "1/2"]``
+    -> ``[0, 0, 2, 0]``. Each answer joins the first earlier group whose first member it equals.
+
+    Cost: one comparison per (answer, group) pair."""
+    reps: list[int] = []
+    out: list[int | None] = []
+    for i, a in enumerate(answers):
+        if a is None:
+            out.append(None)
+            continue
+        for r in reps:
+            if answers_equivalent(a, answers[r]) or answers_equivalent(answers[r], a):
+                out.append(r)
+                break
+        else:
+            reps.append(i)
+            out.append(i)
+    return out
