@@ -22,7 +22,9 @@ Metrics (:mod:`arealite.utils.metrics`): ``pass@1`` = mean accuracy over all sam
 when :func:`arealite.reward.math.math_reward` gives it 1. Prints one table row per data set and a
 JSON line; ``--output file.jsonl`` gets one record per problem (question, answer, completions,
 per-sample correctness and extracted answers, and its ``index`` in the data set), written and
-flushed as soon as the problem's last sample is done, so an interrupted run keeps what it finished.
+flushed as soon as the problem's last sample is done — on every path: HF ``generate`` writes each
+call's problems when the call returns (``--batch-size`` sequences per call), servers each problem
+as its samples finish — so an interrupted or killed run keeps every problem it finished.
 
 :class:`BackgroundEvaluator` runs an evaluation coroutine in its own thread, so the RL loop
 (:mod:`arealite.launcher.rl_loop`, ``evaluator.freq_steps``) never waits for it.
@@ -73,12 +75,15 @@ def resolve_dataset(name: str) -> str | None:
 
 @torch.no_grad()
 def generate_hf(model_path: str, prompts: list[list[int]], n_samples: int, gconfig: GenerationConfig,
-                batch_size: int = 32, seed: int = 0) -> list[list[str]]:
+                batch_size: int = 32, seed: int = 0,
+                on_problem: Callable[[int, list[str]], None] | None = None) -> list[list[str]]:
     """``n_samples`` completions (decoded text) of each prompt (token ids) with HF ``generate``.
 
     Greedy when ``gconfig.greedy`` or ``temperature == 0``, else sampling at
-    ``gconfig.temperature`` / ``top_p`` (no top-k unless ``gconfig.top_k > 0``). Returns
-    ``[len(prompts)][n_samples]`` strings."""
+    ``gconfig.temperature`` / ``top_p`` (no top-k unless ``gconfig.top_k > 0``). Prompts go
+    ``batch_size`` sequences per ``generate`` call; ``on_problem(i, texts)`` is called for each
+    prompt of a call as soon as that call returns, so a caller can write records before the rest
+    is generated. Returns ``[len(prompts)][n_samples]`` strings."""
     from transformers import AutoModelForCausalLM
 
     from arealite.utils.hf import load_tokenizer
@@ -102,6 +107,8 @@ def generate_hf(model_path: str, prompts: list[list[int]], n_samples: int, gconf
         reps = 1 if greedy else n_samples
         for j in range(len(chunk)):
             out.append(texts[j * reps : (j + 1) * reps] * (n_samples if greedy else 1))
+            if on_problem is not None:
+                on_problem(len(out) - 1, list(out[-1]))
     return out
 
 
@@ -307,9 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
                 out_f.flush()
 
         if engine is None:
-            texts = generate_hf(path, prompts, args.n_samples, gconfig, args.batch_size, args.seed)
-            for i, c in enumerate(texts):
-                write(i, c)
+            texts = generate_hf(path, prompts, args.n_samples, gconfig, args.batch_size, args.seed, on_problem=write)
         else:
             texts = asyncio.run(agenerate_engine(engine, tok, prompts, args.n_samples, gconfig, args.concurrency,
                                                  on_problem=write))

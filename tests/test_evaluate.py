@@ -115,6 +115,38 @@ def test_cli_through_a_launched_server_matches_greedy_hf(tiny_model_dir, tmp_pat
     assert served["arithmetic"]["pass@1"] == pytest.approx(hf["arithmetic"]["pass@1"])
 
 
+def test_a_killed_hf_evaluation_keeps_every_finished_problem(tiny_model_dir, tmp_path):
+    """SIGKILL (no clean-up runs) once the first records are on disk: every line is a whole record
+    of a distinct problem, and the file grew while generation went on (per ``generate`` call)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import env_without_dist
+
+    out = tmp_path / "eval.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "arealite.evaluate", "--model-path", tiny_model_dir, "--size", "400",
+                             "--max-new-tokens", "16", "--batch-size", "1", "--num-threads", "1", "--output", str(out)],
+                            env=env_without_dist(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+            assert proc.poll() is None, "the evaluation ended before it was killed"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = out.read_text().splitlines()
+    recs = [json.loads(line) for line in lines]  # whole lines only: each was flushed in one write
+    assert 3 <= len(recs) < 400
+    assert [r["index"] for r in recs] == list(range(len(recs)))  # in order, none missing
+    assert all(len(r["completions"]) == 1 and len(r["correct"]) == 1 for r in recs)
+
+
 def test_named_datasets_resolve_to_the_shared_files():
     import os
 
