@@ -44,6 +44,10 @@ else
     echo "vLLM stage: installed in $(( $(date +%s) - t0 )) s"
   fi
 fi
+if [ -n "$skip_reason" ] && [ "${AREALITE_REQUIRE_VLLM:-0}" = 1 ]; then
+  echo "vLLM stage FAILED: it is required here (AREALITE_REQUIRE_VLLM=1) but would skip: $skip_reason" >&2
+  exit 1
+fi
 if [ -n "$skip_reason" ]; then
   echo "vLLM stage SKIPPED: $skip_reason"
   # The marked tests report themselves as skipped (no AREALITE_VLLM_PYTHON), never as passed.

@@ -18,8 +18,9 @@ from arealite.dataset.math_data import (
     make_arithmetic_dataset,
 )
 from arealite.reward.math import math_reward
+from conftest import SHARED_DATA
 
-DATA = "/work/shared/data"
+DATA = SHARED_DATA  # ../shared/data beside the clone (CI); the tests needing it skip without it
 GSM8K_TRAIN = os.path.join(DATA, "gsm8k", "train.jsonl")
 GSM8K_TEST = os.path.join(DATA, "gsm8k", "test.jsonl")
 MATH500 = os.path.join(DATA, "math", "math500.jsonl")

@@ -12,7 +12,7 @@ from arealite.algorithms.sft import SFT, evaluate_nll
 from arealite.api.engine import TrainEngine
 from arealite.dataset.math_data import GSM8K_INSTRUCTION
 from arealite.dataset.sft_data import SFTCollator, load_sft_dataset, load_sft_jsonl, tokenize_example
-from conftest import SHARED_DATA
+TEST_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
 class FixedEngine(TrainEngine):
@@ -123,7 +123,7 @@ def test_malformed_sft_rows_name_row_and_field(tmp_path, row, match):
 
 
 def test_gsm8k_train_file_loads_without_calculator_annotations():
-    path = os.path.join(SHARED_DATA, "gsm8k", "train.jsonl")
+    path = os.path.join(TEST_DATA, "gsm8k", "train.jsonl")  # a 64-row slice committed with the tests
     rows = load_sft_dataset(path, "train", size=50, seed=0)
     assert len(rows) == 50
     assert all("<<" not in r["response"] and "\n#### " in r["response"] for r in rows)
