@@ -34,3 +34,25 @@ def test_unknown_yaml_key_names_the_path(tmp_path):
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="--config"):
         load_config(GRPOConfig, ["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_group_baselines_refuse_a_group_of_one_and_the_overlong_window_is_checked_before_launch():
+    """Config-only rules run in validate_config: GRPO/GSPO with gconfig.n_samples 1 would train
+    nothing (advantage 0 everywhere); PPO (critic baseline) may; the DAPO overlong window must fit
+    in max_new_tokens."""
+    import pytest
+
+    from arealite.api.cli import ConfigError, validate_config
+    from arealite.api.config import GenerationConfig, GRPOConfig, GSPOConfig, PPOConfig
+
+    for cls in (GRPOConfig, GSPOConfig):
+        with pytest.raises(ConfigError, match=r"gconfig\.n_samples.*advantage 0.*--gconfig\.n_samples 2"):
+            validate_config(cls(gconfig=GenerationConfig(n_samples=1)))
+        validate_config(cls(gconfig=GenerationConfig(n_samples=2)))
+    validate_config(PPOConfig(gconfig=GenerationConfig(n_samples=1)))
+    cfg = GRPOConfig(gconfig=GenerationConfig(max_new_tokens=64))
+    cfg.algo.overlong_penalty = 65
+    with pytest.raises(ConfigError, match=r"algo\.overlong_penalty.*max_new_tokens=64"):
+        validate_config(cfg)
+    cfg.algo.overlong_penalty = 64
+    validate_config(cfg)

@@ -407,6 +407,16 @@ def _check_top_level(c: Any, world_size: int | None) -> None:
     gconfig, algo, rollout = getattr(c, "gconfig", None), getattr(c, "algo", None), getattr(c, "rollout", None)
     if isinstance(gconfig, GenerationConfig) and isinstance(algo, GRPOAlgoConfig):
         check_untruncated_sampling(gconfig)  # importance weights need the sampled distribution
+        if algo.overlong_penalty and not 0 < algo.overlong_penalty <= gconfig.max_new_tokens:
+            raise ConfigError("algo.overlong_penalty", f"window L_cache={algo.overlong_penalty} must be in "
+                              f"(0, gconfig.max_new_tokens={gconfig.max_new_tokens}]; lower it or raise max_new_tokens")
+        # Group-baseline algorithms (GRPO, GSPO, Dr.GRPO) centre each reward on its group's mean: a
+        # group of one has advantage 0 on every token and trains nothing. PPO (a critic) and
+        # REINFORCE++ (a batch baseline) do not need groups.
+        if gconfig.n_samples < 2 and not isinstance(algo, (PPOAlgoConfig, ReinforcePPAlgoConfig)):
+            raise ConfigError("gconfig.n_samples", f"{gconfig.n_samples}: {type(algo).__name__} normalises "
+                              "rewards within each prompt's group, so a group of 1 has advantage 0 everywhere "
+                              "(nothing is trained); use --gconfig.n_samples 2 or more")
     agent = getattr(c, "agent", None)
     if isinstance(agent, MultiTurnConfig) and isinstance(gconfig, GenerationConfig):
         if agent.max_context_tokens <= gconfig.max_new_tokens:
