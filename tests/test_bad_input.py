@@ -101,6 +101,48 @@ def test_bad_command_line_value_names_the_field(argv, field):
         load_config(GRPOConfig, argv)
 
 
+def _run_recipe(launcher: list[str], argv: list[str]) -> subprocess.CompletedProcess:
+    from conftest import REPO_ROOT, env_without_dist
+
+    return subprocess.run([*launcher, os.path.join(REPO_ROOT, "recipes", "grpo_math.py"), *argv], cwd=REPO_ROOT,
+                          env=env_without_dist(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("argv,field,fix", [
+    (["--actor.optimizer.lr", "-1"], "actor.optimizer.lr", "must be > 0"),
+    (["--gconfig.n_samples", "1"], "gconfig.n_samples", "--gconfig.n_samples 2"),
+    (["--algo.overlong_penalty", "64", "--gconfig.max_new_tokens", "16"], "algo.overlong_penalty", "max_new_tokens=16"),
+    (["--algo.loss_agg_mode", "sum"], "algo.loss_agg_mode", "choose one of"),
+    (["--config", "no/such.yaml"], "--config", "file not found"),
+])
+def test_bad_value_on_the_command_line_is_one_line_and_exit_status_2(argv, field, fix):
+    """``python recipes/grpo_math.py BAD``: exit 2 (as for an unknown flag) and stderr is exactly one
+    line naming the field and the fix (no traceback), before anything is launched."""
+    proc = _run_recipe([sys.executable], argv)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"grpo_math.py: error: {field}"), proc.stderr
+    assert fix in lines[0] and proc.stdout == ""
+
+
+def test_bad_value_under_torchrun_is_one_line_from_the_worker_and_named_in_torchruns_report():
+    """Under torchrun the worker prints the one line and exits 2; torchrun's elastic agent then
+    prints its own failure report (it cannot be silenced from the worker) whose root cause is the
+    same message (the worker writes it to $TORCHELASTIC_ERROR_FILE), and no line of the worker's
+    traceback appears."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip(f"no torchrun beside {sys.executable}")
+    proc = _run_recipe([torchrun, "--nproc_per_node=1"], ["--actor.optimizer.lr", "-1"])
+    ours = [line for line in proc.stderr.splitlines() if "actor.optimizer.lr" in line]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr
+    assert ours[0] == "grpo_math.py: error: actor.optimizer.lr: must be > 0, got -1.0; e.g. 1e-5", proc.stderr
+    assert ours[1:] == ["  traceback : actor.optimizer.lr: must be > 0, got -1.0; e.g. 1e-5"], proc.stderr
+    from conftest import REPO_ROOT
+
+    assert os.path.join(REPO_ROOT, "arealite") not in proc.stderr  # no frame of our code
+
+
 def test_batch_not_divisible_by_ranks_names_the_field():
     with pytest.raises(ConfigError, match=r"^train_dataset\.batch_size: 6 is not divisible by the 4 trainer ranks"):
         validate_config(GRPOConfig(train_dataset=DatasetConfig(batch_size=6)), world_size=4)

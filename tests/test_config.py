@@ -56,3 +56,52 @@ def test_group_baselines_refuse_a_group_of_one_and_the_overlong_window_is_checke
         validate_config(cfg)
     cfg.algo.overlong_penalty = 64
     validate_config(cfg)
+
+
+@pytest.mark.parametrize("make,field,reason", [
+    (lambda c: setattr(c.algo, "loss_agg_mode", "sum"), "algo.loss_agg_mode", "choose one of"),
+    (lambda c: setattr(c.algo, "kl_estimator", "k4"), "algo.kl_estimator", "choose one of"),
+    (lambda c: setattr(c.algo, "c_clip", 0.5), "algo.c_clip", "> 1"),
+])
+def test_algorithm_choices_are_checked_by_validate_config_before_launch(make, field, reason):
+    """These were checked only when the algorithm was built (after the servers and the model)."""
+    from arealite.api.cli import ConfigError, validate_config
+
+    cfg = GRPOConfig()
+    make(cfg)
+    with pytest.raises(ConfigError, match=rf"^{field}: .*{reason}"):
+        validate_config(cfg)
+
+
+def test_group_size_rule_covers_every_group_normalised_algorithm():
+    """A group of one trains nothing under GRPO-style, PPO reward_norm=group, REINFORCE++ with a
+    group baseline and online DPO; PPO, plain REINFORCE++ and offline DPO need no group."""
+    from arealite.api.cli import ConfigError, check_algorithm, validate_config
+    from arealite.api.config import (DPOConfig, GenerationConfig, PPOAlgoConfig, PPOConfig, ReinforcePPAlgoConfig)
+
+    one = GenerationConfig(n_samples=1)
+    for cfg in (PPOConfig(gconfig=one, algo=PPOAlgoConfig(reward_norm="group")),
+                GRPOConfig(gconfig=one, algo=ReinforcePPAlgoConfig(group_baseline=True)),
+                DPOConfig(gconfig=one, mode="online")):
+        with pytest.raises(ConfigError, match=r"^gconfig\.n_samples: 1 .*nothing trains; use --gconfig\.n_samples 2"):
+            validate_config(cfg)
+    validate_config(GRPOConfig(gconfig=one, algo=ReinforcePPAlgoConfig()))
+    validate_config(DPOConfig(gconfig=one, mode="offline"))
+    # the algorithm classes built in Python hold the same rule (one copy: cli.check_algorithm)
+    from arealite.algorithms.rloo import RLOO
+
+    with pytest.raises(ConfigError, match=r"^gconfig\.n_samples: 1 .*RLOO"):
+        RLOO(GRPOConfig().algo, actor=None, group_size=1)
+    check_algorithm(GRPOConfig().algo, group_size=2, max_new_tokens=8)
+
+
+def test_dpo_label_smoothing_with_ipo_is_refused_before_launch():
+    from arealite.api.cli import ConfigError, validate_config
+    from arealite.api.config import DPOAlgoConfig, DPOConfig
+
+    with pytest.raises(ConfigError, match=r"^algo\.label_smoothing: 0\.1: .*set it to 0 for ipo"):
+        validate_config(DPOConfig(algo=DPOAlgoConfig(loss_type="ipo", label_smoothing=0.1)))
+    with pytest.raises(ConfigError, match=r"^algo\.reward_norm: unknown 'x'"):
+        from arealite.api.config import PPOAlgoConfig, PPOConfig
+
+        validate_config(PPOConfig(algo=PPOAlgoConfig(reward_norm="x")))

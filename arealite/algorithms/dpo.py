@@ -34,10 +34,11 @@ import torch.distributed as dist
 import torch.nn.functional as Fn
 
 from arealite.api.algorithm import Algorithm
+from arealite.api.cli import check_algorithm
+from arealite.api.config import DPO_LOSS_TYPES as LOSS_TYPES  # noqa: F401
 from arealite.api.config import DPOAlgoConfig
 from arealite.api.engine import Batch, TrainEngine
 
-LOSS_TYPES = ("sigmoid", "ipo")
 
 
 def sequence_logprobs(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -72,15 +73,9 @@ def dpo_loss(
 
 
 def check_config(beta: float, loss_type: str, label_smoothing: float) -> None:
-    """Raises ValueError naming the ``algo.*`` field when the DPO hyper-parameters are invalid."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"algo.loss_type: unknown {loss_type!r}; choose one of {LOSS_TYPES}")
-    if not beta > 0:
-        raise ValueError(f"algo.beta must be > 0, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"algo.label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    if label_smoothing > 0 and loss_type == "ipo":
-        raise ValueError("algo.label_smoothing applies to loss_type=sigmoid only; set it to 0 for ipo")
+    """Raises ValueError (``ConfigError``) naming the ``algo.*`` field when the DPO
+    hyper-parameters are invalid (the rules of :func:`arealite.api.cli.check_algorithm`)."""
+    check_algorithm(DPOAlgoConfig(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing))
 
 
 def check_pairs(batch: Batch) -> None:

@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from arealite.api.config import KL_ESTIMATORS, LOSS_AGG_MODES  # noqa: F401 (defined with the config fields)
 
 
 def _zero_where_masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

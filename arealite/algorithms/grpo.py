@@ -41,6 +41,7 @@ import torch
 
 from arealite.algorithms import functional as F
 from arealite.api.algorithm import Algorithm
+from arealite.api.cli import check_algorithm
 from arealite.api.config import GRPOAlgoConfig
 from arealite.api.engine import Batch, TrainEngine
 from arealite.api.workflow import RolloutWorkflow
@@ -100,24 +101,11 @@ class GRPO(Algorithm):
 
     def __init__(self, config: GRPOAlgoConfig, actor: TrainEngine, group_size: int,
                  ref: TrainEngine | None = None, max_new_tokens: int | None = None):
+        # The config's own rules (ranges, choices, group size, overlong window vs L_max) live in
+        # arealite.api.cli (validate_config runs them before launch); only the engines are checked here.
+        check_algorithm(config, group_size, max_new_tokens)
         if config.kl_coef > 0 and ref is None:
             raise ValueError("algo.kl_coef > 0 needs a reference model; pass ref= or set algo.kl_coef 0")
-        if config.n_minibatches < 1:
-            raise ValueError(f"algo.n_minibatches must be >= 1, got {config.n_minibatches}")
-        if config.loss_agg_mode not in F.LOSS_AGG_MODES:
-            raise ValueError(f"algo.loss_agg_mode: unknown {config.loss_agg_mode!r}; choose one of {F.LOSS_AGG_MODES}")
-        if config.kl_estimator not in F.KL_ESTIMATORS:
-            raise ValueError(f"algo.kl_estimator: unknown {config.kl_estimator!r}; choose one of {F.KL_ESTIMATORS}")
-        if not (isinstance(config.adv_std_floor, (int, float)) and config.adv_std_floor >= 0):
-            raise ValueError(f"algo.adv_std_floor must be a number >= 0 (e.g. 1e-4), got {config.adv_std_floor!r}")
-        if config.c_clip is not None and config.c_clip <= 1.0:
-            raise ValueError(f"algo.c_clip must be > 1 (dual-clip bound), got {config.c_clip}; None disables it")
-        needs_len = config.loss_agg_mode == "seq-mean-token-sum-norm" or config.overlong_penalty > 0
-        if needs_len and not max_new_tokens:
-            raise ValueError("algo.loss_agg_mode=seq-mean-token-sum-norm and algo.overlong_penalty need L_max: "
-                             "pass max_new_tokens=config.gconfig.max_new_tokens to the algorithm")
-        if config.overlong_penalty > 0:
-            F.overlong_penalty(torch.zeros(1), max_new_tokens, config.overlong_penalty)  # validates L_cache
         self.config, self.actor, self.ref, self.group_size = config, actor, ref, group_size
         self.max_new_tokens = max_new_tokens
         self.kl_in_loss = config.kl_coef > 0  # REINFORCE++ may move the KL into the reward

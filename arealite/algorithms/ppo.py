@@ -28,10 +28,9 @@ import torch.distributed as dist
 
 from arealite.algorithms import functional as F
 from arealite.algorithms.grpo import GRPO, combine_stats
-from arealite.api.config import PPOAlgoConfig
+from arealite.api.config import REWARD_NORMS, PPOAlgoConfig
 from arealite.api.engine import Batch, TrainEngine
 
-REWARD_NORMS = ("none", "group", "batch")
 
 
 def normalize_rewards(rewards: torch.Tensor, mode: str, group_size: int) -> torch.Tensor:
@@ -59,12 +58,6 @@ class PPO(GRPO):
 
     def __init__(self, config: PPOAlgoConfig, actor: TrainEngine, critic: TrainEngine, group_size: int = 1,
                  ref: TrainEngine | None = None, max_new_tokens: int | None = None):
-        if config.reward_norm not in REWARD_NORMS:
-            raise ValueError(f"algo.reward_norm: unknown {config.reward_norm!r}; choose one of {REWARD_NORMS}")
-        if not (0.0 <= config.gamma <= 1.0 and 0.0 <= config.lam <= 1.0):
-            raise ValueError(f"algo.gamma={config.gamma} and algo.lam={config.lam} must be in [0, 1]")
-        if config.value_eps_clip is not None and config.value_eps_clip <= 0:
-            raise ValueError(f"algo.value_eps_clip must be > 0 (None disables it), got {config.value_eps_clip}")
         super().__init__(config, actor, group_size, ref, max_new_tokens)
         self.critic = critic
         self.kl_in_loss = config.kl_coef > 0 and not config.kl_in_reward

@@ -39,8 +39,6 @@ class ReinforcePP(GRPO):
 
     def __init__(self, config: ReinforcePPAlgoConfig, actor: TrainEngine, group_size: int,
                  ref: TrainEngine | None = None, max_new_tokens: int | None = None):
-        if not 0.0 <= config.gamma <= 1.0:
-            raise ValueError(f"algo.gamma must be in [0, 1], got {config.gamma}")
         super().__init__(config, actor, group_size, ref, max_new_tokens)
         self.kl_in_loss = config.kl_coef > 0 and not config.kl_in_reward
 

@@ -33,10 +33,7 @@ class RLOO(GRPO):
 
     def __init__(self, config: GRPOAlgoConfig, actor: TrainEngine, group_size: int,
                  ref: TrainEngine | None = None, max_new_tokens: int | None = None):
-        if group_size < 2:
-            raise ValueError(f"group_size={group_size}: RLOO's leave-one-out baseline needs at least 2 "
-                             "samples per prompt; set gconfig.n_samples >= 2")
-        super().__init__(config, actor, group_size, ref, max_new_tokens)
+        super().__init__(config, actor, group_size, ref, max_new_tokens)  # group_size >= 2 (cli.check_algorithm)
 
     def compute_advantages(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor:
         """Leave-one-out advantage of each response on its generated tokens, [B, T]."""

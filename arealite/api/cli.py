@@ -6,7 +6,10 @@
 * :func:`validate_config`: every field's type and range, paths, addresses and the rules between
   fields; :func:`check_model_fits`: the model-dependent checks (chat template, context length).
 * Every error is a :class:`ConfigError` (a ``ValueError``) whose message starts with the dotted
-  field (``gconfig.n_samples: ...``) and says what is accepted.
+  field (``gconfig.n_samples: ...``) and says what is accepted; on the command line it prints that
+  one line and exits 2 (:mod:`arealite.api.usage`).
+* :func:`check_algorithm` / :func:`check_multi_turn`: the same rules for an ``algo`` / ``agent``
+  section alone, which the algorithm and workflow constructors call (one copy of each rule).
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ import math
 import re
 import os
 import sys
-import types
-import typing
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
-from arealite.api.config import (DatasetConfig, DPOAlgoConfig, EvalConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig,
-                                 LoRAConfig, MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
+from arealite.api.config import (DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES, REWARD_NORMS, DatasetConfig, DPOAlgoConfig,
+                                 EvalConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig, LoRAConfig,
+                                 MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
 from arealite.api.config import LauncherConfig
+from arealite.api.from_yaml import check_type, from_dict  # noqa: F401 (imported from here)
+from arealite.api.usage import ConfigError, install_exit_hook  # noqa: F401 (imported from here)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -33,42 +37,6 @@ from arealite.api.config import LauncherConfig
 # ------------------------------------------------------------------------------------------------
 
 T = TypeVar("T")
-
-
-def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass ``cls`` from a nested dict (e.g. parsed YAML), recursing into fields.
-
-    Raises:
-        ConfigError (a ValueError): an unknown key (names the dotted path and lists the valid
-            keys), a value of the wrong type (names the path, the expected type and the value),
-            or a section that is not a mapping.
-    """
-    if not isinstance(data, dict):
-        raise ConfigError(where or "config", f"expected a mapping of keys (a YAML section), got "
-                          f"{type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else key
-        if key not in names:
-            raise ConfigError(path, f"unknown config key; valid keys here: {sorted(names)}")
-        sub = _dataclass_of(hints[key])
-        if sub is not None and value is not None:
-            kwargs[key] = from_dict(sub, value, path)
-        else:
-            kwargs[key] = check_type(path, hints[key], value)
-    return cls(**kwargs)
-
-
-def _dataclass_of(tp: Any) -> type | None:
-    if dataclasses.is_dataclass(tp):
-        return tp
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            if dataclasses.is_dataclass(arg):
-                return arg
-    return None
 
 
 def load_config(cls: type[T], argv: list[str] | None = None) -> T:
@@ -82,19 +50,26 @@ def load_config(cls: type[T], argv: list[str] | None = None) -> T:
         ConfigError (a ValueError): the YAML has an unknown key or a wrongly typed value, or
             :func:`validate_config` rejects a value (each names the dotted field and the fix).
         SystemExit: tyro rejects a flag (it prints the valid ones).
+
+    It also installs :func:`arealite.api.usage.install_exit_hook`: a ``ConfigError`` (or the
+    missing ``--config`` file) that nobody catches prints ``PROG: error: FIELD: ...`` on one
+    line and exits with status 2, like an unknown flag.
     """
     import tyro
 
+    install_exit_hook()  # uncaught, these errors print one line and exit 2 (arealite/api/usage.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     default = cls()
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
-            raise ValueError("--config: missing value; pass a YAML file path")
+            raise ConfigError("--config", "missing value; pass a YAML file path")
         path = argv[i + 1]
         del argv[i : i + 2]
         if not os.path.exists(path):
-            raise FileNotFoundError(f"--config: file not found: {path}")
+            err = FileNotFoundError(f"--config: file not found: {path}")
+            err.usage_error = True  # type: ignore[attr-defined]
+            raise err
         with open(path) as f:
             default = from_dict(cls, yaml.safe_load(f) or {})
     description = f"{(cls.__doc__ or '').strip()}\n\nLoad defaults from YAML with --config FILE.yaml; flags override it."
@@ -112,71 +87,6 @@ def to_dict(config: Any) -> dict[str, Any]:
 # Validation (bad input → one clear error naming the dotted field and the fix, before any model
 # is loaded or file written)
 # ------------------------------------------------------------------------------------------------
-
-
-class ConfigError(ValueError):
-    """A bad config value. ``field`` is its dotted path (``gconfig.n_samples``); the message
-    starts with it and says what is accepted."""
-
-    def __init__(self, field_path: str, message: str):
-        self.field = field_path
-        super().__init__(f"{field_path}: {message}")
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def check_type(path: str, tp: Any, value: Any) -> Any:
-    """``value`` checked against the annotation ``tp`` of field ``path`` (YAML values): bool,
-    int (not bool), float (an int is widened; a numeric string such as YAML's ``1e-5`` is
-    converted), str, ``Literal[...]``, ``list[X]`` and ``X | None``. Other annotations pass.
-
-    Returns: the value (converted for float fields). Raises: :class:`ConfigError`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return check_type(path, arg, value)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(path, f"expected {' or '.join(_type_name(a) for a in args)}, got "
-                                f"{type(value).__name__} {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(path, f"{value!r} is not one of {list(args)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(path, f"expected a list, got {type(value).__name__} {value!r} (YAML: [a, b])")
-        return [check_type(f"{path}[{i}]", args[0], v) for i, v in enumerate(value)] if args else value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {type(value).__name__} {value!r}")
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(path, f"expected an integer, got {type(value).__name__} {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
-            except ValueError:
-                pass
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ConfigError(path, f"expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {type(value).__name__} {value!r} (quote it in YAML)")
-        return value
-    return value
 
 
 def _number(obj: Any, prefix: str, name: str, *, integer: bool = False, gt: float | None = None,
@@ -332,16 +242,94 @@ def _check_grpo_algo(a: "GRPOAlgoConfig", p: str) -> None:
     _number(a, p, "behav_imp_weight_cap", gt=1, optional=True, fix="None = no cap")
     _number(a, p, "c_clip", gt=1, optional=True, fix="None = no dual clip")
     _number(a, p, "overlong_penalty", integer=True, ge=0, fix="0 = off")
+    _choice(a, p, "loss_agg_mode", LOSS_AGG_MODES)
+    _choice(a, p, "kl_estimator", KL_ESTIMATORS)
     if isinstance(a, (PPOAlgoConfig, ReinforcePPAlgoConfig)):
         _number(a, p, "gamma", ge=0, le=1)
     if isinstance(a, PPOAlgoConfig):
         _number(a, p, "lam", ge=0, le=1)
-        _number(a, p, "value_eps_clip", gt=0, optional=True)
+        _number(a, p, "value_eps_clip", gt=0, optional=True, fix="None = no value clipping")
+        _choice(a, p, "reward_norm", REWARD_NORMS)
+
+
+def _choice(obj: Any, prefix: str, name: str, accepted: tuple[str, ...]) -> None:
+    if getattr(obj, name) not in accepted:
+        raise ConfigError(prefix + name, f"unknown {getattr(obj, name)!r}; choose one of {list(accepted)}")
 
 
 def _check_dpo_algo(a: "DPOAlgoConfig", p: str) -> None:
+    _choice(a, p, "loss_type", DPO_LOSS_TYPES)
     _number(a, p, "beta", gt=0)
     _number(a, p, "label_smoothing", ge=0, lt=0.5)
+    if a.label_smoothing > 0 and a.loss_type == "ipo":
+        raise ConfigError(p + "label_smoothing", f"{a.label_smoothing}: label smoothing (conservative DPO) applies "
+                          "to loss_type sigmoid only; set it to 0 for ipo")
+
+
+def _group_rule(algo: Any) -> str | None:
+    """Why ``algo`` needs >= 2 samples per prompt, or None when a group of one still trains."""
+    if isinstance(algo, PPOAlgoConfig):  # a critic baseline, unless the rewards are group-normalised
+        return "normalises rewards within each prompt's group (reward_norm group)" if algo.reward_norm == "group" else None
+    if isinstance(algo, ReinforcePPAlgoConfig):  # a batch baseline, unless the group mean is subtracted first
+        return "subtracts each prompt's group-mean reward (group_baseline)" if algo.group_baseline else None
+    if isinstance(algo, GRPOAlgoConfig):  # GRPO, Dr.GRPO, GSPO, RLOO: group-relative advantages
+        return "normalises rewards within each prompt's group (GRPO, Dr.GRPO, GSPO, RLOO)"
+    if isinstance(algo, DPOAlgoConfig):  # online DPO: a pair from one prompt's samples
+        return "forms each preference pair from one prompt's samples"
+    return None
+
+
+def _check_algo_vs_generation(algo: Any, group_size: int | None, max_new_tokens: int | None) -> None:
+    """The rules between ``algo`` and ``gconfig``: the group size the algorithm needs (a group of
+    one gives every response advantage 0, so nothing trains) and the L_max the DAPO overlong
+    window and the Dr.GRPO aggregation need."""
+    why = _group_rule(algo)
+    if why and group_size is not None and group_size < 2:
+        raise ConfigError("gconfig.n_samples", f"{group_size} sample per prompt (group_size={group_size}): "
+                          f"{type(algo).__name__} {why}, so a group of 1 has advantage 0 everywhere and "
+                          "nothing trains; use --gconfig.n_samples 2 or more (e.g. 8)")
+    if not isinstance(algo, GRPOAlgoConfig):
+        return
+    if max_new_tokens is None:
+        if algo.overlong_penalty > 0 or algo.loss_agg_mode == "seq-mean-token-sum-norm":
+            raise ValueError("algo.loss_agg_mode=seq-mean-token-sum-norm and algo.overlong_penalty need L_max: "
+                             "pass max_new_tokens=config.gconfig.max_new_tokens to the algorithm")
+    elif algo.overlong_penalty > max_new_tokens:
+        raise ConfigError("algo.overlong_penalty", f"window L_cache={algo.overlong_penalty} must be in "
+                          f"(0, gconfig.max_new_tokens={max_new_tokens}]; lower it or raise max_new_tokens")
+
+
+def check_algorithm(algo: Any, group_size: int | None = None, max_new_tokens: int | None = None) -> None:
+    """The ``algo`` section on its own (every field, as :func:`validate_config` checks it) and
+    against the generation settings: ``group_size`` (``gconfig.n_samples``; group-normalised
+    algorithms — GRPO, Dr.GRPO, GSPO, RLOO, PPO with ``reward_norm group``, REINFORCE++ with
+    ``group_baseline``, online DPO — need >= 2) and ``max_new_tokens`` (L_max: the overlong
+    window must fit in it; ``seq-mean-token-sum-norm`` and ``overlong_penalty`` need it).
+    :func:`validate_config` runs the same rules; the algorithm constructors call this one so
+    that an algorithm built in Python is held to them too. ``None`` skips a rule.
+
+    Raises:
+        ConfigError: the first bad field (``algo.*`` or ``gconfig.n_samples``), with the fix.
+        ValueError: ``max_new_tokens`` is None where the algorithm needs L_max.
+    """
+    _walk(algo, "algo.")
+    _check_algo_vs_generation(algo, group_size, max_new_tokens)
+
+
+def check_multi_turn(m: "MultiTurnConfig", max_new_tokens: int | None = None) -> None:
+    """The ``agent`` section of the multi-turn workflows: ``max_turns`` >= 1, ``turn_discount``
+    in (0, 1], ``max_context_tokens`` >= 2 and (with ``max_new_tokens``) above
+    ``gconfig.max_new_tokens``. :func:`validate_config` runs the same rules.
+
+    Raises: :class:`ConfigError` naming the ``agent.*`` field."""
+    _walk(m, "agent.")
+    _check_context(m, max_new_tokens)
+
+
+def _check_context(m: "MultiTurnConfig", max_new_tokens: int | None) -> None:
+    if max_new_tokens is not None and m.max_context_tokens <= max_new_tokens:
+        raise ConfigError("agent.max_context_tokens", f"{m.max_context_tokens} must exceed "
+                          f"gconfig.max_new_tokens={max_new_tokens} (room for a prompt)")
 
 
 def _check_saver(s: "SaverConfig", p: str) -> None:
@@ -407,21 +395,12 @@ def _check_top_level(c: Any, world_size: int | None) -> None:
     gconfig, algo, rollout = getattr(c, "gconfig", None), getattr(c, "algo", None), getattr(c, "rollout", None)
     if isinstance(gconfig, GenerationConfig) and isinstance(algo, GRPOAlgoConfig):
         check_untruncated_sampling(gconfig)  # importance weights need the sampled distribution
-        if algo.overlong_penalty and not 0 < algo.overlong_penalty <= gconfig.max_new_tokens:
-            raise ConfigError("algo.overlong_penalty", f"window L_cache={algo.overlong_penalty} must be in "
-                              f"(0, gconfig.max_new_tokens={gconfig.max_new_tokens}]; lower it or raise max_new_tokens")
-        # Group-baseline algorithms (GRPO, GSPO, Dr.GRPO) centre each reward on its group's mean: a
-        # group of one has advantage 0 on every token and trains nothing. PPO (a critic) and
-        # REINFORCE++ (a batch baseline) do not need groups.
-        if gconfig.n_samples < 2 and not isinstance(algo, (PPOAlgoConfig, ReinforcePPAlgoConfig)):
-            raise ConfigError("gconfig.n_samples", f"{gconfig.n_samples}: {type(algo).__name__} normalises "
-                              "rewards within each prompt's group, so a group of 1 has advantage 0 everywhere "
-                              "(nothing is trained); use --gconfig.n_samples 2 or more")
+    if isinstance(gconfig, GenerationConfig) and algo is not None:  # offline DPO samples nothing
+        online = getattr(c, "mode", "online") == "online"
+        _check_algo_vs_generation(algo, gconfig.n_samples if online else None, gconfig.max_new_tokens)
     agent = getattr(c, "agent", None)
     if isinstance(agent, MultiTurnConfig) and isinstance(gconfig, GenerationConfig):
-        if agent.max_context_tokens <= gconfig.max_new_tokens:
-            raise ConfigError("agent.max_context_tokens", f"{agent.max_context_tokens} must exceed "
-                              f"gconfig.max_new_tokens={gconfig.max_new_tokens} (room for a prompt)")
+        _check_context(agent, gconfig.max_new_tokens)
     launcher, recover = getattr(c, "launcher", None), getattr(c, "recover", None)
     if isinstance(launcher, LauncherConfig) and launcher.max_restarts and isinstance(recover, RecoverConfig):
         if recover.mode != "auto" or not recover.freq_steps:
@@ -431,13 +410,19 @@ def _check_top_level(c: Any, world_size: int | None) -> None:
     if world_size is not None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        checks = [("train_dataset.batch_size", getattr(getattr(c, "train_dataset", None), "batch_size", None))]
+        check_divisible("train_dataset.batch_size", getattr(getattr(c, "train_dataset", None), "batch_size", None),
+                        world_size)
         if isinstance(rollout, InferenceEngineConfig):
-            checks.append(("rollout.consumer_batch_size", rollout.consumer_batch_size))
-        for path, value in checks:
-            if isinstance(value, int) and value % world_size:
-                raise ConfigError(path, f"{value} is not divisible by the {world_size} trainer ranks; use a "
-                                        f"multiple of {world_size} or launch {value} or a divisor of it ranks")
+            check_divisible("rollout.consumer_batch_size", rollout.consumer_batch_size, world_size)
+
+
+def check_divisible(path: str, value: Any, world_size: int) -> None:
+    """A batch size over all ranks (field ``path``) must split evenly over ``world_size`` ranks.
+
+    Raises: :class:`ConfigError` naming ``path`` and the sizes that work."""
+    if isinstance(value, int) and value % world_size:
+        raise ConfigError(path, f"{value} is not divisible by the {world_size} trainer ranks; use a "
+                                f"multiple of {world_size} or launch {value} or a divisor of it ranks")
 
 
 def validate_config(config: Any, world_size: int | None = None) -> None:
@@ -446,10 +431,16 @@ def validate_config(config: Any, world_size: int | None = None) -> None:
     any code that builds a config in Python before running it.
 
     Per field: integer/number types, ranges (sizes >= 1, timeouts > 0, η >= 0, probabilities in
-    range, ...), ``actor.path`` / dataset paths that exist, ``host:port`` addresses. Across
-    fields: RL algorithms refuse truncated sampling (:func:`check_untruncated_sampling`), a
-    multi-turn context that cannot hold one turn, and — with ``world_size`` — batch sizes not
-    divisible by the trainer ranks. Cheap: no model, no network, no writes.
+    range, ...), string choices (``algo.loss_agg_mode``, ...), ``actor.path`` / dataset paths
+    that exist, ``host:port`` addresses. Across fields: RL algorithms refuse truncated sampling
+    (:func:`check_untruncated_sampling`), a group size with which a group-normalised algorithm
+    trains nothing and an overlong window beyond ``gconfig.max_new_tokens``
+    (:func:`check_algorithm`), a multi-turn context that cannot hold one turn
+    (:func:`check_multi_turn`), restarts without recover checkpoints, and — with
+    ``world_size`` — batch sizes not divisible by the trainer ranks. Every rule that needs only
+    the config is here (the launchers, algorithms and workflows hold no copy of one), so a bad
+    value stops a run before any server is launched or model loaded. Cheap: no model, no
+    network, no writes.
 
     Raises:
         ConfigError (a ValueError): the first bad value, naming its dotted field and the fix.
@@ -457,18 +448,20 @@ def validate_config(config: Any, world_size: int | None = None) -> None:
     if not dataclasses.is_dataclass(config):
         raise TypeError(f"validate_config expects a config dataclass, got {type(config).__name__}")
 
-    def walk(obj: Any, prefix: str) -> None:
-        for cls, fn in _CHECKS:
-            if isinstance(obj, cls):
-                fn(obj, prefix)
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if dataclasses.is_dataclass(v) and not isinstance(v, type):
-                walk(v, f"{prefix}{f.name}.")
-
-    walk(config, "")
+    _walk(config, "")
     if hasattr(config, "total_train_steps"):
         _check_top_level(config, world_size)
+
+
+def _walk(obj: Any, prefix: str) -> None:
+    """The per-section checks of ``obj`` and of every dataclass nested in it."""
+    for cls, fn in _CHECKS:
+        if isinstance(obj, cls):
+            fn(obj, prefix)
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            _walk(v, f"{prefix}{f.name}.")
 
 
 def check_model_fits(model_path: str, gconfig: "GenerationConfig", tokenizer: Any = None,

@@ -140,6 +140,13 @@ class DatasetConfig:
     instruction: str | None = None
 
 
+# The accepted values of the string-valued ``algo`` fields (one definition; the algorithms import them).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # algo.loss_agg_mode
+KL_ESTIMATORS = ("k1", "k2", "k3")  # algo.kl_estimator
+REWARD_NORMS = ("none", "group", "batch")  # algo.reward_norm (PPO)
+DPO_LOSS_TYPES = ("sigmoid", "ipo")  # algo.loss_type (DPO)
+
+
 @dataclass
 class GRPOAlgoConfig:
     """GRPO / PPO-clip hyper-parameters (see arealite/algorithms/grpo.py)."""

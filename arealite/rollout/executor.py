@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from arealite.api.cli import check_divisible
 from arealite.api.config import InferenceEngineConfig
 from arealite.api.io_struct import RolloutStat
 from arealite.rollout.staleness import StalenessManager
@@ -68,11 +69,7 @@ class WorkflowExecutor:
     """
 
     def __init__(self, config: InferenceEngineConfig, engine: "InferenceEngine", world_size: int = 1):
-        if config.consumer_batch_size % world_size != 0:
-            raise ValueError(
-                f"rollout.consumer_batch_size={config.consumer_batch_size} must be divisible by the "
-                f"number of trainer ranks ({world_size})"
-            )
+        check_divisible("rollout.consumer_batch_size", config.consumer_batch_size, world_size)  # as validate_config
         self.config, self.engine = config, engine
         batch = config.consumer_batch_size // world_size
         max_conc = max(1, (config.max_concurrent_rollouts or config.consumer_batch_size) // world_size)

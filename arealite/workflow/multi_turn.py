@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from arealite.api.config import GenerationConfig
+from arealite.api.cli import check_multi_turn
+from arealite.api.config import GenerationConfig, MultiTurnConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.env import Environment, StepResult
 from arealite.api.io_struct import ModelRequest
@@ -176,13 +177,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
     def __init__(self, env_factory: Callable[[dict[str, Any]], Environment], gconfig: GenerationConfig, tokenizer,
                  max_turns: int = 2, turn_discount: float = 0.9, max_context_tokens: int = 1024,
                  truncate_fn: Callable[[Any, list[int]], int] | None = None, dump_dir: str | None = None):
-        if max_turns < 1:
-            raise ValueError(f"max_turns={max_turns}: need at least one model turn")
-        if not 0 < turn_discount <= 1:
-            raise ValueError(f"turn_discount={turn_discount}: must be in (0, 1]")
-        if max_context_tokens <= gconfig.max_new_tokens:
-            raise ValueError(f"max_context_tokens={max_context_tokens} must exceed gconfig.max_new_tokens="
-                             f"{gconfig.max_new_tokens}")
+        # the agent.* rules of validate_config (one copy, in arealite.api.cli)
+        check_multi_turn(MultiTurnConfig(max_turns, turn_discount, max_context_tokens), gconfig.max_new_tokens)
         self.env_factory, self.gconfig, self.tokenizer = env_factory, gconfig, tokenizer
         self.max_turns, self.turn_discount, self.max_context_tokens = max_turns, turn_discount, max_context_tokens
         self.truncate_fn = truncate_fn

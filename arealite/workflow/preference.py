@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from arealite.api.cli import check_algorithm
+from arealite.api.config import DPOAlgoConfig
 from arealite.api.engine import InferenceEngine
 from arealite.utils.data import trim_padding
 from arealite.workflow.rlvr import RLVRWorkflow
@@ -40,8 +42,7 @@ class PreferenceWorkflow(RLVRWorkflow):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.gconfig.n_samples < 2:
-            raise ValueError(f"gconfig.n_samples must be ≥ 2 to form a preference pair, got {self.gconfig.n_samples}")
+        check_algorithm(DPOAlgoConfig(), group_size=self.gconfig.n_samples)  # n_samples >= 2, as validate_config
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         traj = await super().arun_episode(engine, data)
