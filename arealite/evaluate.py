@@ -50,27 +50,28 @@ from arealite.reward.math import math_reward
 from arealite.utils.hf import tokenize_chat
 from arealite.utils.metrics import summarize
 
-_SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
-DATASETS = {  # names accepted by --dataset (paths relative to the repository's ../shared/data)
-    "gsm8k": os.path.join(_SHARED_DATA, "gsm8k", "test.jsonl"),
-    "math500": os.path.join(_SHARED_DATA, "math", "math500.jsonl"),
+DATASETS = {  # short names accepted by --dataset → Hugging Face hub sets (test split; arealite/dataset/sources.py)
+    "gsm8k": "openai/gsm8k",  # config "main" (sources.HUB_DEFAULT_CONFIGS)
+    "math500": "HuggingFaceH4/MATH-500",
 }
 
 
 def resolve_dataset(name: str) -> str | None:
-    """A ``--dataset`` entry → a path for :func:`load_dataset` (None = embedded arithmetic task).
+    """A ``--dataset`` entry → a path for :func:`load_dataset` (None = embedded arithmetic task):
+    ``gsm8k`` / ``math500`` → their hub names (:data:`DATASETS`; downloaded by ``datasets`` when
+    read, so offline pass a local copy instead), anything else as given (a ``.jsonl`` file, a
+    ``save_to_disk`` folder or another hub name). A local file or folder of that name wins.
 
     Raises:
-        FileNotFoundError: a named set whose file is missing (names the path).
+        ValueError: an entry that is no file, saved folder or hub name (says what is accepted).
     """
+    from arealite.api.cli import dataset_source
+
     if name in ("arithmetic", "", None):
         return None
-    if name in DATASETS:
-        path = os.path.normpath(DATASETS[name])
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--dataset {name}: {path} not found; pass the .jsonl path instead")
-        return path
-    return name
+    path = DATASETS.get(name, name) if not os.path.exists(name) else name
+    dataset_source(path)  # a missing file or a malformed name fails here, before any model is loaded
+    return path
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=1 recipes/grpo_math.py            # embedded defaults (CPU is fine)
     python recipes/grpo_math.py --config recipes/configs/grpo_math.yaml --actor.optimizer.lr 2e-5
-    python recipes/grpo_math.py --train_dataset.path ../shared/data/gsm8k/train.jsonl \
+    python recipes/grpo_math.py --train_dataset.path openai/gsm8k \
         --gconfig.max_new_tokens 256 --actor.path /models/Qwen2.5-0.5B-Instruct
 
 A recipe is two builders — the algorithm and the rollout workflow — and a call of the one RL

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=1 recipes/tool_agent_math.py          # embedded defaults (CPU is fine)
     python recipes/tool_agent_math.py --config recipes/configs/tool_agent_math.yaml \
-        --train_dataset.path ../shared/data/gsm8k/train.jsonl --gconfig.max_new_tokens 192
+        --train_dataset.path openai/gsm8k --gconfig.max_new_tokens 192
 
 The model may write a ```python block; it runs in :mod:`arealite.sandbox` (limits in ``sandbox.*``)
 and its output comes back as a message; a turn without code is the final answer, scored by the

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.join(os.path.dirname(REPO_ROOT), "shared", "data")
 
 
 def save_tiny_model(path: str, seed: int = 0, initializer_range: float = 0.02) -> str:

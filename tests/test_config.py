@@ -105,3 +105,13 @@ def test_dpo_label_smoothing_with_ipo_is_refused_before_launch():
         from arealite.api.config import PPOAlgoConfig, PPOConfig
 
         validate_config(PPOConfig(algo=PPOAlgoConfig(reward_norm="x")))
+
+
+def test_user_facing_files_name_no_shared_data_path():
+    """A user's clone has no ../shared beside it: README, docs, shipped configs and recipes name
+    hub sets or the user's own files instead (the benchmarks may still read ../shared/data)."""
+    files = ["README.md"] + [os.path.join(d, f) for d in ("docs", os.path.join("recipes", "configs"), "recipes")
+                             for f in sorted(os.listdir(os.path.join(REPO_ROOT, d)))
+                             if f.endswith((".md", ".yaml", ".py"))]
+    bad = [f for f in files if "shared/data" in open(os.path.join(REPO_ROOT, f)).read()]
+    assert bad == []

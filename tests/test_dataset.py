@@ -18,17 +18,12 @@ from arealite.dataset.math_data import (
     make_arithmetic_dataset,
 )
 from arealite.reward.math import math_reward
-from conftest import SHARED_DATA
 
-DATA = SHARED_DATA  # ../shared/data beside the clone (CI); the tests needing it skip without it
-GSM8K_TRAIN = os.path.join(DATA, "gsm8k", "train.jsonl")
-GSM8K_TEST = os.path.join(DATA, "gsm8k", "test.jsonl")
-MATH500 = os.path.join(DATA, "math", "math500.jsonl")
-
-
-def _need(path):
-    if not os.path.isfile(path):
-        pytest.skip(f"real data not available: {path}")
+# Byte-for-byte slices of the public files, committed with the tests (tests/data/README.md: source, MIT licences)
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+GSM8K_TRAIN = os.path.join(DATA, "gsm8k", "train.jsonl")  # first 64 rows of GSM8K train
+GSM8K_TEST = os.path.join(DATA, "gsm8k", "test.jsonl")  # first 64 rows of GSM8K test
+MATH500 = os.path.join(DATA, "math", "math500.jsonl")  # first 32 rows of MATH-500
 
 
 def _check_schema(row):
@@ -92,9 +87,8 @@ def test_arithmetic_defaults_and_errors():
 
 # ---------------------------------------------------------------- GSM8K
 def test_gsm8k_train_real_file():
-    _need(GSM8K_TRAIN)
     rows = load_gsm8k_jsonl(GSM8K_TRAIN)
-    assert len(rows) == 7473
+    assert len(rows) == 64
     assert rows[0]["answer"] == "72"
     assert rows[0]["question"].startswith("Natalia sold clips to 48 of her friends")
     assert rows[0]["messages"][0]["content"] == rows[0]["question"] + GSM8K_INSTRUCTION
@@ -106,29 +100,26 @@ def test_gsm8k_train_real_file():
 
 def test_gsm8k_test_answers_are_scorable():
     """Every GSM8K test answer is recognised by math_reward in a plain completion."""
-    _need(GSM8K_TEST)
     rows = load_dataset(GSM8K_TEST, "test", None, 0)
-    assert len(rows) == 1319
+    assert len(rows) == 64 and rows[0]["answer"] == "18"  # Janet's ducks
     bad = [r["answer"] for r in rows if math_reward(f"so the total is {r['answer']}.", r["answer"]) != 1.0]
     assert bad == []
 
 
 def test_jsonl_size_is_seeded_shuffle():
-    _need(GSM8K_TRAIN)
-    a = load_dataset(GSM8K_TRAIN, "train", 100, 5)
-    b = load_dataset(GSM8K_TRAIN, "train", 100, 5)
-    c = load_dataset(GSM8K_TRAIN, "train", 100, 6)
-    assert a == b and a != c and len(a) == 100
-    assert a != load_dataset(GSM8K_TRAIN, "train", None, 0)[:100]  # shuffled
-    with pytest.raises(ValueError, match="7473"):
-        load_dataset(GSM8K_TRAIN, "train", 8000, 0)
+    a = load_dataset(GSM8K_TRAIN, "train", 32, 5)
+    b = load_dataset(GSM8K_TRAIN, "train", 32, 5)
+    c = load_dataset(GSM8K_TRAIN, "train", 32, 6)
+    assert a == b and a != c and len(a) == 32
+    assert a != load_dataset(GSM8K_TRAIN, "train", None, 0)[:32]  # shuffled
+    with pytest.raises(ValueError, match="number of rows 64"):
+        load_dataset(GSM8K_TRAIN, "train", 65, 0)
 
 
 # ---------------------------------------------------------------- MATH
 def test_math500_real_file():
-    _need(MATH500)
     rows = load_math_jsonl(MATH500)
-    assert len(rows) == 500
+    assert len(rows) == 32
     for r in rows:
         _check_schema(r)
         assert r["messages"][0]["content"] == r["question"] + MATH_INSTRUCTION
@@ -182,7 +173,7 @@ def test_malformed_math_rows_and_format_sniffing(tmp_path):
     p = _write(tmp_path, "other.jsonl", [json.dumps({"prompt": "x", "label": "1"})])
     with pytest.raises(ValueError, match=r"fields: \['label', 'prompt'\].*GSM8K.*MATH"):
         load_dataset(p, "train", None, 0)
-    with pytest.raises(ValueError, match="accepted formats"):
+    with pytest.raises(ValueError, match="is not a hub name; pass a .jsonl file, a folder written by datasets"):
         load_dataset(str(tmp_path / "data.csv"), "train", None, 0)
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_dataset(str(tmp_path / "nope.jsonl"), "train", None, 0)
@@ -190,3 +181,67 @@ def test_malformed_math_rows_and_format_sniffing(tmp_path):
         load_gsm8k_jsonl(str(tmp_path / "nope.jsonl"))
     with pytest.raises(ValueError, match="no rows"):
         load_dataset(_write(tmp_path, "empty.jsonl", [""]), "train", None, 0)
+
+
+# ---------------------------------------------------------------- datasets: save_to_disk folders, hub names
+def _gsm8k_dict(n):
+    """The first ``n`` rows of the committed GSM8K slices as a ``datasets.DatasetDict`` (train, test)."""
+    datasets = pytest.importorskip("datasets", reason="datasets is a dependency of arealite (setup.py)")
+
+    def split(path):
+        rows = [json.loads(line) for line in open(path)][:n]
+        return datasets.Dataset.from_list(rows)
+    return datasets.DatasetDict({"train": split(GSM8K_TRAIN), "test": split(GSM8K_TEST)})
+
+
+def test_a_folder_saved_by_datasets_loads_like_the_jsonl(tmp_path):
+    """``DatasetDict.save_to_disk``: the split argument picks train/test; ``Dataset.save_to_disk``:
+    the folder is the split; rows equal those of the same jsonl rows; the config check accepts it."""
+    from arealite.api.cli import ConfigError, validate_config
+    from arealite.api.config import DatasetConfig, GRPOConfig
+
+    _gsm8k_dict(8).save_to_disk(str(tmp_path / "gsm8k"))
+    jsonl_test = load_dataset(GSM8K_TEST, "test", None, 0)[:8]
+    assert load_dataset(str(tmp_path / "gsm8k"), "test", None, 0) == jsonl_test
+    assert load_dataset(str(tmp_path / "gsm8k"), "train", None, 0) == load_dataset(GSM8K_TRAIN, "train", None, 0)[:8]
+    assert len(load_dataset(str(tmp_path / "gsm8k"), "train", 4, 1)) == 4
+    _gsm8k_dict(8)["test"].save_to_disk(str(tmp_path / "test_only"))
+    assert load_dataset(str(tmp_path / "test_only"), "train", None, 0) == jsonl_test  # a Dataset folder is its split
+    validate_config(GRPOConfig(train_dataset=DatasetConfig(path=str(tmp_path / "gsm8k"))))
+    (tmp_path / "not_saved").mkdir()
+    with pytest.raises(ConfigError, match=r"^train_dataset\.path: .*not written by datasets' save_to_disk"):
+        validate_config(GRPOConfig(train_dataset=DatasetConfig(path=str(tmp_path / "not_saved"))))
+
+
+def test_a_saved_math_set_and_a_missing_split(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="datasets is a dependency of arealite (setup.py)")
+    rows = [json.loads(line) for line in open(MATH500)][:5]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "math500"))
+    assert load_dataset(str(tmp_path / "math500"), "test", None, 0) == load_math_jsonl(MATH500)[:5]
+    with pytest.raises(ValueError, match=r"has no split 'train' \(it has \['test'\]\)"):
+        load_dataset(str(tmp_path / "math500"), "train", None, 0)
+
+
+def test_hub_names_go_to_datasets_load_dataset_with_config_and_split(monkeypatch):
+    """A hub name is passed to ``datasets.load_dataset`` (GSM8K's config defaults to ``main``; an
+    explicit ``:config`` wins); the rows are parsed by format as a file's. No network: the hub is a stub."""
+    datasets = pytest.importorskip("datasets", reason="datasets is a dependency of arealite (setup.py)")
+    from arealite.api.cli import dataset_source
+    from arealite.dataset.sft_data import load_sft_dataset
+
+    calls, saved = [], _gsm8k_dict(4)
+
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        if name != "openai/gsm8k":
+            raise FileNotFoundError(f"Dataset '{name}' doesn't exist on the Hub")
+        return saved[split]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert dataset_source("openai/gsm8k") == "hub" and dataset_source("HuggingFaceH4/MATH-500") == "hub"
+    assert load_dataset("openai/gsm8k", "test", None, 0) == load_dataset(GSM8K_TEST, "test", None, 0)[:4]
+    assert len(load_sft_dataset("openai/gsm8k:socratic", "train")) == 4
+    with pytest.raises(ValueError, match=r"nobody/nothing: cannot load split 'test' .*FileNotFoundError.*local \.jsonl"):
+        load_dataset("nobody/nothing", "test", None, 0)
+    assert calls == [("openai/gsm8k", "main", "test"), ("openai/gsm8k", "socratic", "train"),
+                     ("nobody/nothing", None, "test")]

@@ -147,19 +147,19 @@ def test_a_killed_hf_evaluation_keeps_every_finished_problem(tiny_model_dir, tmp
     assert all(len(r["completions"]) == 1 and len(r["correct"]) == 1 for r in recs)
 
 
-def test_named_datasets_resolve_to_the_shared_files():
+def test_named_datasets_resolve_to_hub_names_or_the_given_file(tmp_path):
+    """``--dataset gsm8k`` / ``math500`` name the hub sets (loaded by ``datasets`` when read; no
+    network here), a path is used as given, and a missing file fails before any model is loaded."""
     import os
 
-    from arealite.dataset.math_data import load_dataset
     from arealite.evaluate import resolve_dataset
-    from conftest import SHARED_DATA
 
-    if not os.path.isdir(SHARED_DATA):
-        pytest.skip("../shared/data is not beside the clone")
-    gsm8k, math500 = resolve_dataset("gsm8k"), resolve_dataset("math500")
-    assert os.path.samefile(gsm8k, os.path.join(SHARED_DATA, "gsm8k", "test.jsonl"))
-    assert len(load_dataset(gsm8k, "test")) == 1319 and len(load_dataset(math500, "test")) == 500
+    assert resolve_dataset("gsm8k") == "openai/gsm8k" and resolve_dataset("math500") == "HuggingFaceH4/MATH-500"
     assert resolve_dataset("arithmetic") is None
+    local = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k", "test.jsonl")
+    assert resolve_dataset(local) == local
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_dataset(str(tmp_path / "missing.jsonl"))
 
 
 def test_cli_refuses_bad_k_before_loading_anything(tmp_path):

@@ -221,16 +221,44 @@ def _check_dataset(d: "DatasetConfig", p: str) -> None:
     _number(d, p, "size", integer=True, ge=1, optional=True, fix="None = all rows")
     _number(d, p, "batch_size", integer=True, ge=1)
     if d.path not in (None, "arithmetic", "multiplication"):  # generated tasks (dataset/math_data, multiplication)
-        if not isinstance(d.path, str) or not d.path.endswith(".jsonl"):
-            raise ConfigError(p + "path", f"{d.path!r}: pass a .jsonl file, or null/'arithmetic' for the embedded task "
-                              "('multiplication' in recipes/agents/multiply_tool.py)")
-        if not os.path.isfile(d.path):
-            raise ConfigError(p + "path", f"dataset file {d.path!r} does not exist")
+        try:
+            dataset_source(d.path)
+        except ValueError as e:
+            raise ConfigError(p + "path", f"{e}; or null/'arithmetic' for the embedded task "
+                              "('multiplication' in recipes/agents/multiply_tool.py)") from None
     if d.instruction is not None and (isinstance(d, SFTDatasetConfig) or not isinstance(d.instruction, str)):
         raise ConfigError(p + "instruction", f"{d.instruction!r}: pass a string appended to each math prompt "
                           "('' = the bare question), or null for the format's default; SFT/preference data take none")
     if isinstance(d, SFTDatasetConfig):
         _number(d, p, "max_length", integer=True, ge=2, fix="prompt + response tokens kept per row")
+
+
+DATASET_SOURCES = ("a .jsonl file, a folder written by datasets' save_to_disk, or a Hugging Face hub name "
+                   "such as openai/gsm8k or HuggingFaceH4/MATH-500 (a config after ':', e.g. openai/gsm8k:main)")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
+
+
+def dataset_source(path: Any) -> str:
+    """What a dataset ``path`` names, without reading it: ``"jsonl"`` (an existing ``.jsonl``
+    file), ``"disk"`` (an existing folder written by ``datasets``' ``save_to_disk``: it holds
+    ``dataset_info.json`` or ``dataset_dict.json``) or ``"hub"`` (``owner/name[:config]`` that is
+    no local path; loaded by ``datasets.load_dataset`` when the data is read).
+
+    Raises: ValueError: none of these (the message says what is accepted)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{path!r}: pass {DATASET_SOURCES}")
+    if path.endswith(".jsonl"):
+        if not os.path.isfile(path):
+            raise ValueError(f"dataset file {path!r} does not exist")
+        return "jsonl"
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
+            raise ValueError(f"{path!r} is a folder without dataset_info.json or dataset_dict.json (not written by "
+                             f"datasets' save_to_disk); pass {DATASET_SOURCES}")
+        return "disk"
+    if _HUB_NAME.fullmatch(path) and not os.path.exists(path):
+        return "hub"
+    raise ValueError(f"{path!r} does not exist and is not a hub name; pass {DATASET_SOURCES}")
 
 
 def _check_grpo_algo(a: "GRPOAlgoConfig", p: str) -> None:

@@ -1,4 +1,6 @@
-"""Math prompt datasets: the embedded arithmetic task, GSM8K and MATH jsonl files.
+"""Math prompt datasets: the embedded arithmetic task, GSM8K and MATH (a .jsonl file, a folder
+written by ``datasets``' ``save_to_disk`` or a Hugging Face hub name such as ``openai/gsm8k`` or
+``HuggingFaceH4/MATH-500``: :mod:`arealite.dataset.sources`).
 
 Every row is a dict::
 
@@ -18,10 +20,9 @@ it so that every system they compare sees the same prompt text.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import random
 
+from arealite.dataset.sources import read_rows
 from arealite.reward.math import extract_gsm8k_answer
 
 # ---------------------------------------------------------------- constants
@@ -39,8 +40,8 @@ MATH_INSTRUCTION = "\nPut the final answer in \\boxed{}."
 SPLITS = ("train", "test")
 _FORMATS_HELP = (
     "accepted formats: 'arithmetic' (or None) for the embedded task; a .jsonl "
-    "file in GSM8K format (fields question/answer, answer ending in '#### N') "
-    "or MATH format (fields problem/answer)"
+    "file, a datasets save_to_disk folder or a Hugging Face hub name in GSM8K format "
+    "(fields question/answer, answer ending in '#### N') or MATH format (fields problem/answer)"
 )
 
 
@@ -138,31 +139,10 @@ def make_arithmetic_dataset(split: str, size: int, seed: int = 0, instruction: s
 
 
 # ---------------------------------------------------------------- jsonl
-def _read_jsonl(path: str) -> list[tuple[int, dict]]:
-    """(1-based line number, object) for each non-blank line of ``path``."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file not found: {path!r}")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}: row {lineno} is not valid JSON ({e.msg}); "
-                    "pass a jsonl file with one JSON object per line"
-                ) from None
-            if not isinstance(obj, dict):
-                raise ValueError(
-                    f"{path}: row {lineno} is a {type(obj).__name__}, not a JSON object; "
-                    "pass a jsonl file with one JSON object per line"
-                )
-            rows.append((lineno, obj))
-    if not rows:
-        raise ValueError(f"{path}: file has no rows; pass a non-empty jsonl file")
-    return rows
+def _read_jsonl(path: str, split: str = "train") -> list[tuple[int, dict]]:
+    """(1-based row number, object) for each row of ``path``: a .jsonl file, a ``save_to_disk``
+    folder or a hub name (:func:`arealite.dataset.sources.read_rows`, which raises)."""
+    return read_rows(path, split)
 
 
 def _field(path: str, lineno: int, obj: dict, name: str, fix: str) -> str:
@@ -179,8 +159,11 @@ def _field(path: str, lineno: int, obj: dict, name: str, fix: str) -> str:
     return val
 
 
-def load_gsm8k_jsonl(path: str, instruction: str | None = None) -> list[dict]:
-    """Load a GSM8K-format jsonl file (fields ``question``, ``answer``).
+def load_gsm8k_jsonl(path: str, instruction: str | None = None, split: str = "train",
+                     rows: list[tuple[int, dict]] | None = None) -> list[dict]:
+    """Load GSM8K-format rows (fields ``question``, ``answer``) from a jsonl file, a
+    ``save_to_disk`` folder or a hub name (``openai/gsm8k``; ``split`` picks its split), or from
+    ``rows`` already read.
 
     The reference answer is the text after the last ``####`` of the ``answer``
     solution (commas removed).  The user message is the question followed by
@@ -202,7 +185,7 @@ def load_gsm8k_jsonl(path: str, instruction: str | None = None) -> list[dict]:
     fix = "pass a jsonl with fields question/answer (answer ending in '#### N')"
     instruction = _instruction(instruction, GSM8K_INSTRUCTION)
     out = []
-    for lineno, obj in _read_jsonl(path):
+    for lineno, obj in (rows if rows is not None else _read_jsonl(path, split)):
         question = _field(path, lineno, obj, "question", fix)
         solution = _field(path, lineno, obj, "answer", fix)
         try:
@@ -215,8 +198,11 @@ def load_gsm8k_jsonl(path: str, instruction: str | None = None) -> list[dict]:
     return out
 
 
-def load_math_jsonl(path: str, instruction: str | None = None) -> list[dict]:
-    """Load a MATH-format jsonl file (fields ``problem``, ``answer``), e.g. MATH-500.
+def load_math_jsonl(path: str, instruction: str | None = None, split: str = "train",
+                    rows: list[tuple[int, dict]] | None = None) -> list[dict]:
+    """Load MATH-format rows (fields ``problem``, ``answer``), e.g. MATH-500, from a jsonl file, a
+    ``save_to_disk`` folder or a hub name (``HuggingFaceH4/MATH-500``, split ``test``), or from
+    ``rows`` already read.
 
     The user message is the problem followed by ``instruction`` (None = ``MATH_INSTRUCTION``,
     "Put the final answer in \\boxed{}."); ``question`` is the problem text.
@@ -236,36 +222,21 @@ def load_math_jsonl(path: str, instruction: str | None = None) -> list[dict]:
     fix = "pass a jsonl with fields problem/answer"
     instruction = _instruction(instruction, MATH_INSTRUCTION)
     out = []
-    for lineno, obj in _read_jsonl(path):
+    for lineno, obj in (rows if rows is not None else _read_jsonl(path, split)):
         problem = _field(path, lineno, obj, "problem", fix)
         answer = _field(path, lineno, obj, "answer", fix).strip()
         out.append(_row(problem, instruction, answer))
     return out
 
 
-def _sniff_format(path: str) -> str:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file not found: {path!r}")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}: row {lineno} is not valid JSON ({e.msg}); {_FORMATS_HELP}"
-                ) from None
-            if isinstance(obj, dict) and "question" in obj:
-                return "gsm8k"
-            if isinstance(obj, dict) and "problem" in obj:
-                return "math"
-            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise ValueError(
-                f"{path}: cannot tell the dataset format from row {lineno} "
-                f"(fields: {keys}); {_FORMATS_HELP}"
-            )
-    raise ValueError(f"{path}: file has no rows; {_FORMATS_HELP}")
+def _format_of(path: str, rows: list[tuple[int, dict]]) -> str:
+    """``"gsm8k"`` (a ``question`` field) or ``"math"`` (a ``problem`` field), from the first row."""
+    lineno, obj = rows[0]
+    if "question" in obj:
+        return "gsm8k"
+    if "problem" in obj:
+        return "math"
+    raise ValueError(f"{path}: cannot tell the dataset format from row {lineno} (fields: {sorted(obj)}); {_FORMATS_HELP}")
 
 
 def load_dataset(
@@ -276,12 +247,15 @@ def load_dataset(
 
     Args:
         path: None or "arithmetic" for the embedded arithmetic task; otherwise a
-            path ending in ``.jsonl``, whose first row decides the format:
+            ``.jsonl`` file, a folder written by ``datasets``' ``save_to_disk`` or a Hugging
+            Face hub name (``openai/gsm8k``, ``HuggingFaceH4/MATH-500``; see
+            :mod:`arealite.dataset.sources`), whose first row decides the format:
             a ``question`` field -> GSM8K loader, a ``problem`` field -> MATH loader.
-        split: "train" or "test".  Selects the arithmetic split; for jsonl files
-            the file itself is the split (it is validated but otherwise unused).
+        split: "train" or "test".  Selects the arithmetic split and the split of a saved
+            ``DatasetDict`` or hub set; a jsonl file (or a saved single ``Dataset``) is
+            itself the split.
         size: number of rows.  Arithmetic: defaults to 1000 (train) / 200 (test).
-            jsonl: None keeps all rows in file order; an int returns the first
+            Files and sets: None keeps all rows in order; an int returns the first
             ``size`` rows after a shuffle with ``random.Random(seed)``.
         seed: seed for arithmetic sampling / jsonl shuffling.
         instruction: text appended to each question; None = the format's default
@@ -295,6 +269,7 @@ def load_dataset(
             accepted formats); ``size`` < 1 or larger than the dataset; malformed
             rows (see the loaders); a non-string instruction.
         FileNotFoundError: the jsonl file does not exist.
+        ImportError: a saved folder or hub name without ``datasets`` installed.
     """
     _check_split(split)
     _instruction(instruction, "")  # a bad instruction fails before any file is read
@@ -302,10 +277,9 @@ def load_dataset(
         if size is None:
             size = ARITHMETIC_DEFAULT_SIZE[split]
         return make_arithmetic_dataset(split, size, seed, instruction)
-    if not isinstance(path, str) or not path.endswith(".jsonl"):
-        raise ValueError(f"unsupported dataset path {path!r}; {_FORMATS_HELP}")
-    fmt = _sniff_format(path)
-    rows = load_gsm8k_jsonl(path, instruction) if fmt == "gsm8k" else load_math_jsonl(path, instruction)
+    raw = _read_jsonl(path, split)
+    loader = load_gsm8k_jsonl if _format_of(path, raw) == "gsm8k" else load_math_jsonl
+    rows = loader(path, instruction, rows=raw)
     if size is None:
         return rows
     if not isinstance(size, int) or size < 1 or size > len(rows):

@@ -13,6 +13,9 @@ Sources:
   annotations, ending in ``#### N``);
 * ``None`` / ``"arithmetic"``: the embedded arithmetic task, response = the number.
 
+Rows with those fields may also come from a folder written by ``datasets``' ``save_to_disk`` or a
+Hugging Face hub name (``openai/gsm8k``): :mod:`arealite.dataset.sources`.
+
 Tokenization (:class:`SFTCollator`): prompt = chat template with the assistant generation prompt
 (the same ids the rollout workflow sends to the server), response = the text's tokens plus
 EOS — exactly what a sampled answer looks like, so SFT, DPO and RL all score the same tokens.
@@ -58,8 +61,10 @@ def text_field(path: str, lineno: int, obj: dict, name: str, help: str) -> str:
     return val
 
 
-def load_sft_jsonl(path: str) -> list[dict]:
-    """Rows ``{"messages", "response"}`` from a jsonl with ``messages`` or ``question``/``answer``.
+def load_sft_jsonl(path: str, split: str = "train") -> list[dict]:
+    """Rows ``{"messages", "response"}`` from rows with ``messages`` or ``question``/``answer``: a
+    jsonl file, a ``save_to_disk`` folder or a hub name such as ``openai/gsm8k`` (``split`` picks
+    the split of the last two; :mod:`arealite.dataset.sources`).
 
     Raises:
         FileNotFoundError: no such file.
@@ -67,7 +72,7 @@ def load_sft_jsonl(path: str) -> list[dict]:
             number and the field).
     """
     out = []
-    for lineno, obj in _read_jsonl(path):
+    for lineno, obj in _read_jsonl(path, split):
         if "messages" in obj:
             msgs = check_messages(path, lineno, obj["messages"], "messages", _SFT_HELP)
             if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
@@ -92,9 +97,7 @@ def load_sft_dataset(path: str | None, split: str = "train", size: int | None = 
     """
     if path is None or path == "arithmetic":
         return [{"messages": r["messages"], "response": r["answer"]} for r in load_dataset(None, split, size, seed)]
-    if not str(path).endswith(".jsonl"):
-        raise ValueError(f"unsupported SFT dataset path {path!r}; {_SFT_HELP} (or None for the embedded task)")
-    rows = load_sft_jsonl(path)
+    rows = load_sft_jsonl(path, split)
     return select(rows, size, seed, path)
 
 
