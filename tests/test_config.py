@@ -115,3 +115,18 @@ def test_user_facing_files_name_no_shared_data_path():
                              if f.endswith((".md", ".yaml", ".py"))]
     bad = [f for f in files if "shared/data" in open(os.path.join(REPO_ROOT, f)).read()]
     assert bad == []
+
+
+def test_choice_fields_of_a_config_built_in_python_are_checked():
+    """Literal fields (mixed_precision, backend, recover.mode, ...) hold one of their values even
+    when the config never went through tyro or the YAML check; the engines use the same rules."""
+    from arealite.api.cli import ConfigError, check_section, validate_config
+    from arealite.api.config import RecoverConfig, TrainEngineConfig
+
+    cfg = GRPOConfig()
+    cfg.actor.mixed_precision = "fp8"
+    with pytest.raises(ConfigError, match=r"^actor\.mixed_precision: 'fp8' is not one of \['none', 'bf16'\]"):
+        validate_config(cfg)
+    with pytest.raises(ConfigError, match=r"^recover\.mode: 'sometimes'"):
+        check_section(RecoverConfig(mode="sometimes"), "recover.")
+    check_section(TrainEngineConfig())

@@ -15,11 +15,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import os
 import sys
-from typing import Any, TypeVar
+import typing
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -481,15 +483,34 @@ def validate_config(config: Any, world_size: int | None = None) -> None:
         _check_top_level(config, world_size)
 
 
+def check_section(obj: Any, prefix: str = "") -> None:
+    """Every per-field rule of :func:`validate_config` for one config section ``obj`` (and the
+    sections nested in it), fields named ``prefix + name``: what an engine or helper built from
+    that section alone checks (one copy of each rule).
+
+    Raises: :class:`ConfigError` naming the first bad field."""
+    _walk(obj, prefix)
+
+
 def _walk(obj: Any, prefix: str) -> None:
-    """The per-section checks of ``obj`` and of every dataclass nested in it."""
+    """The per-section checks of ``obj`` and of every dataclass nested in it; ``Literal`` fields
+    hold one of their values (a config built in Python has not been through tyro or the YAML check)."""
     for cls, fn in _CHECKS:
         if isinstance(obj, cls):
             fn(obj, prefix)
+    hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
+        choices = typing.get_args(hints.get(f.name)) if typing.get_origin(hints.get(f.name)) is Literal else ()
+        if choices and v not in choices:
+            raise ConfigError(prefix + f.name, f"{v!r} is not one of {list(choices)}")
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             _walk(v, f"{prefix}{f.name}.")
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def check_model_fits(model_path: str, gconfig: "GenerationConfig", tokenizer: Any = None,

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+from arealite.api.cli import check_section
 from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
 from arealite.engine import lora
@@ -100,18 +101,9 @@ def lr_multiplier(oc: OptimizerConfig, step: int, total_steps: int) -> float:
 
 
 def _check_config(config: TrainEngineConfig) -> None:
-    """Reject bad engine settings before any model is loaded (fields named in the error)."""
-    oc, mb = config.optimizer, config.mb_spec
-    if oc.lr_scheduler not in ("constant", "linear", "cosine"):
-        raise ValueError(f"optimizer.lr_scheduler={oc.lr_scheduler!r}: use constant, linear or cosine")
-    if not 0.0 <= oc.min_lr_ratio <= 1.0:
-        raise ValueError(f"optimizer.min_lr_ratio={oc.min_lr_ratio} must be in [0, 1]")
-    if mb.max_tokens_per_mb < 1:
-        raise ValueError(f"mb_spec.max_tokens_per_mb={mb.max_tokens_per_mb} must be ≥ 1")
-    if mb.logits_chunk_size < 1:
-        raise ValueError(f"mb_spec.logits_chunk_size={mb.logits_chunk_size} must be ≥ 1")
-    if config.mixed_precision not in ("none", "bf16"):
-        raise ValueError(f"mixed_precision={config.mixed_precision!r}: use 'none' or 'bf16'")
+    """Reject bad engine settings before any model is loaded (fields named in the error): the
+    section's rules of :func:`arealite.api.cli.validate_config` (one copy), and bf16 needs a GPU."""
+    check_section(config)
     if config.mixed_precision == "bf16" and not torch.cuda.is_available():
         raise ValueError("mixed_precision='bf16' needs a GPU; use mixed_precision='none' on CPU")
 

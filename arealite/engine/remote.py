@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
+from arealite.api.cli import check_section
 from arealite.api.config import InferenceEngineConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
@@ -142,9 +143,7 @@ class RemoteInferenceEngine(InferenceEngine):
             raise ValueError("rollout.addresses is empty: launch servers first or pass host:port addresses")
         if config.backend not in ADAPTERS:
             raise ValueError(f"rollout.backend={config.backend!r}: use one of {sorted(ADAPTERS)}")
-        if not config.weight_sync_timeout > 0:
-            raise ValueError(f"rollout.weight_sync_timeout={config.weight_sync_timeout}: must be > 0 seconds "
-                             "(the bound for a hung server during a distributed weight update)")
+        check_section(config, "rollout.")  # validate_config's rollout.* rules (one copy), e.g. weight_sync_timeout > 0
         self.config, self.addresses = config, list(addresses)
         self.adapter = ADAPTERS[config.backend]
         self._outstanding = {a: 0 for a in self.addresses}

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from arealite.api.cli import check_section
 from arealite.api.config import RecoverConfig
 from arealite.api.engine import TrainEngine
 
@@ -120,13 +121,9 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 def validate_recover_config(config: RecoverConfig) -> None:
-    """Raises ``ValueError`` naming the field if ``recover.*`` is out of range."""
-    if config.mode not in ("disabled", "auto", "resume"):
-        raise ValueError(f"recover.mode={config.mode!r}: use disabled, auto or resume")
-    if config.freq_steps < 0:
-        raise ValueError(f"recover.freq_steps={config.freq_steps}: must be >= 0 (0 = no recover checkpoints)")
-    if config.keep_last < 1:
-        raise ValueError(f"recover.keep_last={config.keep_last}: must be >= 1")
+    """Raises ``ValueError`` (``ConfigError``) naming the field if ``recover.*`` is out of range
+    (the rules of :func:`arealite.api.cli.validate_config`, one copy)."""
+    check_section(config, "recover.")
 
 
 def resolve_checkpoint(config: RecoverConfig, root: str) -> str | None:
