@@ -3,7 +3,8 @@ offending field (and the fix), raised before any expensive work; nothing already
 touched, and a server that refused a request keeps serving.
 
 Every case asserts the dotted field name is in the message (config: ``ConfigError.field`` as
-well). Counted cases: 45 config, 6 data, 3 model, 12 request, 1 connection."""
+well). Counted cases: 45 config, 6 data, 3 model, 12 request, 1 connection; plus 6 whole-process
+cases: a bad value on the command line is one line on stderr and exit status 2 (python, torchrun)."""
 
 import json
 import os
