@@ -13,10 +13,10 @@ Command line (any HF folder, e.g. a checkpoint written by a recipe)::
 (MATH-500), or any GSM8K/MATH-format ``.jsonl`` path; several, comma separated. Generation goes
 through HF ``generate`` (default: no server; left padding, ``num_return_sequences = n``), through
 running servers (``--addresses host:port,...``, arealite's
-:class:`~arealite.engine.remote.RemoteInferenceEngine`, any backend it speaks), or through our
+:class:`~arealite.inference.remote.RemoteInferenceEngine`, any backend it speaks), or through our
 server launched for the run (``--launch``, :func:`arealite.launcher.local.launch_servers`).
 
-Metrics (:mod:`arealite.utils.metrics`): ``pass@1`` = mean accuracy over all samples;
+Metrics (:mod:`arealite.reward.metrics`): ``pass@1`` = mean accuracy over all samples;
 ``pass@k`` = the unbiased estimator of Chen et al. 2021 (Eq. 1), ``1 - C(n-c,k)/C(n,k)``;
 ``maj@k`` = majority vote over the first k samples' extracted final answers. A sample is correct
 when :func:`arealite.reward.math.math_reward` gives it 1. Prints one table row per data set and a
@@ -27,7 +27,7 @@ call's problems when the call returns (``--batch-size`` sequences per call), ser
 as its samples finish — so an interrupted or killed run keeps every problem it finished.
 
 :class:`BackgroundEvaluator` runs an evaluation coroutine in its own thread, so the RL loop
-(:mod:`arealite.launcher.rl_loop`, ``evaluator.freq_steps``) never waits for it.
+(:mod:`arealite.trainer.rl_loop`, ``evaluator.freq_steps``) never waits for it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from arealite.dataset.math_data import load_dataset
 from arealite.reward.answer import extract_final_answer
 from arealite.reward.math import math_reward
 from arealite.utils.hf import tokenize_chat
-from arealite.utils.metrics import summarize
+from arealite.reward.metrics import summarize
 
 DATASETS = {  # short names accepted by --dataset → Hugging Face hub sets (test split; arealite/dataset/sources.py)
     "gsm8k": "openai/gsm8k",  # config "main" (sources.HUB_DEFAULT_CONFIGS)
@@ -145,7 +145,7 @@ async def aevaluate_samples(engine, tokenizer, rows: list[dict], n_samples: int,
                             concurrency: int = 64) -> dict[str, float]:
     """``n_samples`` completions per row through ``engine`` (:func:`agenerate_engine`), scored with
     :func:`~arealite.reward.math.math_reward`: ``{"pass@1", "pass@n", "maj@n"}`` in that order
-    (:func:`~arealite.utils.metrics.summarize`; the progress line shows the first); the in-loop
+    (:func:`~arealite.reward.metrics.summarize`; the progress line shows the first); the in-loop
     form of :func:`main` (``evaluator.n_samples > 1``)."""
     prompts = [tokenize_chat(tokenizer, r["messages"]) for r in rows]
     texts = await agenerate_engine(engine, tokenizer, prompts, n_samples, gconfig, concurrency)
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
                                top_p=args.top_p, greedy=args.temperature == 0)
     engine = None
     if args.addresses or args.launch:
-        from arealite.engine.remote import RemoteInferenceEngine
+        from arealite.inference.remote import RemoteInferenceEngine
 
         cfg = InferenceEngineConfig(backend=args.backend, n_servers=args.n_servers, request_timeout=args.request_timeout,
                                     server_threads=args.num_threads or os.cpu_count() or 1)

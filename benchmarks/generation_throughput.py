@@ -7,7 +7,7 @@ EOS ignored, so every request produces exactly its own number of tokens). ``--gr
 gives distinct prompts. Same model, dtype, threads and sampling (temperature 1, no
 top-k/top-p) for:
 
-* ``server``: ``arealite.engine.server`` (continuous batching, packed prefill, a group's prompt
+* ``server``: ``arealite.server`` (continuous batching, packed prefill, a group's prompt
   prefilled once), all requests sent at once;
 * ``hf-batched``: one ``model.generate`` call on the left-padded batch of all requests; it must
   run to the longest requested output, and only the requested tokens count as useful;
@@ -63,7 +63,7 @@ sys.path.insert(0, ROOT)
 
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig  # noqa: E402
 from arealite.api.io_struct import WeightUpdateMeta  # noqa: E402
-from arealite.engine.remote import RemoteInferenceEngine, wait_healthy  # noqa: E402
+from arealite.inference.remote import RemoteInferenceEngine, wait_healthy  # noqa: E402
 
 
 def random_qwen(path: str) -> str:
@@ -100,7 +100,7 @@ def _free_port() -> int:
 
 def start_server(args, model_path: str, *extra: str):
     port = _free_port()
-    cmd = [sys.executable, "-m", "arealite.engine.server", "--model-path", model_path, "--port", str(port),
+    cmd = [sys.executable, "-m", "arealite.server", "--model-path", model_path, "--port", str(port),
            "--num-threads", str(args.threads), "--dtype", args.dtype, "--device", args.device,
            "--max-batch-size", str(args.prompts * args.group_size), *extra]
     log = open(os.path.join(args.workdir, "server.log"), "w")
@@ -136,7 +136,7 @@ def start_vllm(args, model_path: str):
 
 
 def _get_json(addr: str, endpoint: str) -> dict:
-    from arealite.engine.remote import post_json
+    from arealite.inference.remote import post_json
 
     return post_json(addr, endpoint, method="GET")
 
@@ -218,7 +218,7 @@ def hf_runs(args, model_path, reqs) -> dict:
 
 
 def weight_update_latency(args, model_path, addr, backend: str = "local", actor=None) -> dict:
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     if actor is None:
         actor = FSDPEngine(TrainEngineConfig(path=model_path, dtype=args.dtype))
@@ -228,7 +228,7 @@ def weight_update_latency(args, model_path, addr, backend: str = "local", actor=
     n_bytes = sum(p.numel() * p.element_size() for p in actor.model.parameters())
     out = {"model_MiB": n_bytes / 2**20}
 
-    from arealite.launcher.weight_update import push_weights
+    from arealite.trainer.weight_update import push_weights
 
     def timed(meta):
         start = time.perf_counter()

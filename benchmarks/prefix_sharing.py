@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
     from arealite.utils.hf import resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -66,7 +66,7 @@ def main() -> None:
         e.initialize(path)
         engines[share] = e
     lengths = batch["attention_mask"].sum(1).tolist()
-    from arealite.engine.packing import unit_length
+    from arealite.train_engine.packing import unit_length
 
     packed = {s: sum(unit_length(u, lengths) for u in e._units(batch, lengths)) for s, e in engines.items()}
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -1,4 +1,4 @@
-"""Load drill of ``python -m arealite.engine.server`` on loopback: many concurrent ``/generate``
+"""Load drill of ``python -m arealite.server`` on loopback: many concurrent ``/generate``
 requests, a fraction of them aborted by the client (the connection is closed mid-request, which
 cancels the handler and frees the row), and ``/pause_generation`` + ``/continue_generation``
 pairs at random moments (running requests come back with their partial output and finish reason
@@ -52,7 +52,7 @@ def start_server(model_path: str, log_path: str, extra: list[str] | None = None,
     Raises: RuntimeError if it exits or is not healthy after ``timeout`` s (see ``log_path``)."""
     port = _free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "arealite.engine.server", "--model-path", model_path,
+    proc = subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", model_path,
                              "--host", "127.0.0.1", "--port", str(port), *(extra or [])],
                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     addr, deadline = f"127.0.0.1:{port}", time.monotonic() + timeout

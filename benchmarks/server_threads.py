@@ -1,7 +1,7 @@
 """Our server's generation time with its torch threads switched live (``POST /set_num_threads``).
 
 Core sharing lends a waiting trainer's cores to the server (``docs/cluster.md``). This measures
-what that buys: one server process (``python -m arealite.engine.server``, started with 1 thread)
+what that buys: one server process (``python -m arealite.server``, started with 1 thread)
 runs the same batch of concurrent requests with each thread count in turn, switched between
 rounds through the endpoint, and prints seconds per round, tokens/s and the ratio.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from server_load import start_server  # noqa: E402
 
-from arealite.engine.remote import post_json  # noqa: E402
+from arealite.inference.remote import post_json  # noqa: E402
 
 
 def main() -> None:

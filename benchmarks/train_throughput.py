@@ -23,7 +23,7 @@ its own process (peak RSS is per process), on the same batch of equal-length row
 peak RSS (``ru_maxrss``: model, optimizer state, activations), the optimizer state, and the weight
 sync of one update — disk: what the trainer writes (LoRA: a PEFT adapter folder; full: the HF
 folder) in bytes and seconds, plus the server's load of it (LoRA: the merge W0 + s·B A into its
-kept base copy, :func:`arealite.engine.server.weights.load_weights_from_disk`); distributed:
+kept base copy, :func:`arealite.server.weights.load_weights_from_disk`); distributed:
 the bytes broadcast (LoRA: lora_A/lora_B only) and the trainer-side gather time (1 rank: no
 network in these figures).
 
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from arealite.algorithms.functional import gather_logprobs  # noqa: E402
 from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig  # noqa: E402
-from arealite.engine.fsdp import FSDPEngine  # noqa: E402
+from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
 
 TEMPERATURE = 0.7
 CLOCK = time.perf_counter  # set in main()
@@ -179,8 +179,8 @@ def lora_worker(args) -> dict:
     import resource
 
     from arealite.api.config import LoRAConfig
-    from arealite.engine import lora
-    from arealite.engine.server.weights import load_weights_from_disk
+    from arealite.train_engine import lora
+    from arealite.server.weights import load_weights_from_disk
     from transformers import AutoModelForCausalLM
 
     use_lora = args.lora_worker == "lora"

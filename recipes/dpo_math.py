@@ -6,12 +6,12 @@
 
 Offline: each step takes ``train_dataset.batch_size`` pairs from the file (None = embedded
 arithmetic pairs) → DPO update (frozen reference = the initial weights) → log; the loop is
-:func:`arealite.launcher.offline_loop.run_offline`.
+:func:`arealite.trainer.offline_loop.run_offline`.
 Online: the rollout pipeline samples ``gconfig.n_samples`` answers per prompt from the current
 policy, the reward (``reward_fn``) picks a (best, worst) pair (prompts without one are skipped),
 and each step takes ``rollout.consumer_batch_size`` pairs — generated asynchronously, at most
 ``rollout.max_head_offpolicyness`` versions old — → DPO update → weight sync; the loop is
-:func:`arealite.launcher.rl_loop.run_rl`. Both: logprobs at temperature 1 (the models' own
+:func:`arealite.trainer.rl_loop.run_rl`. Both: logprobs at temperature 1 (the models' own
 likelihoods), recover checkpoints, held-out greedy accuracy at the start and end.
 """
 
@@ -28,10 +28,10 @@ from arealite.api.config import DPOConfig
 from arealite.dataset.loader import load_rows
 from arealite.dataset.math_data import load_dataset
 from arealite.dataset.preference_data import PreferenceCollator, load_preference_dataset
-from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.train_engine.fsdp import FSDPEngine, init_distributed
 from arealite.evaluate import evaluate_hf
-from arealite.launcher.offline_loop import prepare_offline, run_offline
-from arealite.launcher.rl_loop import run_rl
+from arealite.trainer.offline_loop import prepare_offline, run_offline
+from arealite.trainer.rl_loop import run_rl
 from arealite.utils.hf import resolve_model_path
 from arealite.workflow.preference import PreferenceWorkflow
 

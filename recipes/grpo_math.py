@@ -6,7 +6,7 @@
         --gconfig.max_new_tokens 256 --actor.path /models/Qwen2.5-0.5B-Instruct
 
 A recipe is two builders — the algorithm and the rollout workflow — and a call of the one RL
-loop, :func:`arealite.launcher.rl_loop.run_rl` (read it top to bottom: per step, take a batch of
+loop, :func:`arealite.trainer.rl_loop.run_rl` (read it top to bottom: per step, take a batch of
 finished rollouts, at most ``rollout.max_head_offpolicyness`` versions old → ``algo.update`` →
 push the new weights to the inference servers → log). Every RL recipe (GSPO, PPO, online DPO,
 multi-turn, tool agent, custom agents) is this file with other builders. Outputs under
@@ -22,7 +22,7 @@ import sys
 
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import GRPOConfig
-from arealite.launcher.rl_loop import main as run
+from arealite.trainer.rl_loop import main as run
 from arealite.reward.math import math_reward
 from arealite.workflow.rlvr import RLVRWorkflow
 

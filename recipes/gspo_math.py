@@ -5,7 +5,7 @@
 
 GSPO (arXiv 2507.18071) clips one length-normalised likelihood ratio per response instead of one
 ratio per token; see ``arealite/algorithms/gspo.py``. The loop is
-:func:`arealite.launcher.rl_loop.run_rl`; outputs under ``outputs/gspo_math/trial0/``.
+:func:`arealite.trainer.rl_loop.run_rl`; outputs under ``outputs/gspo_math/trial0/``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 from arealite.algorithms.gspo import GSPO
 from arealite.api.config import GSPOConfig
-from arealite.launcher.rl_loop import main as run
+from arealite.trainer.rl_loop import main as run
 from arealite.reward.math import math_reward
 from arealite.workflow.rlvr import RLVRWorkflow
 

@@ -6,7 +6,7 @@
 One episode = up to ``agent.max_turns`` model turns against
 :class:`arealite.workflow.multi_turn.MathFeedbackEnv`; reward = 1 · ``agent.turn_discount``^(turns−1)
 when solved, else 0. The trajectory is token-in token-out (sampled ids + tokenised feedback,
-feedback masked out of the loss). The loop is :func:`arealite.launcher.rl_loop.run_rl` (recover,
+feedback masked out of the loss). The loop is :func:`arealite.trainer.rl_loop.run_rl` (recover,
 dynamic sampling, evaluation and logging as in every RL recipe; ``rollout/turns`` is logged).
 """
 
@@ -16,7 +16,7 @@ import sys
 
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import MultiTurnGRPOConfig
-from arealite.launcher.rl_loop import main as run
+from arealite.trainer.rl_loop import main as run
 from arealite.workflow.multi_turn import MultiTurnMathWorkflow
 
 

@@ -7,7 +7,7 @@ The critic (``FSDPCriticEngine``: the policy's backbone with a zero-initialised 
 own optimizer, ``--critic.*``) is loaded from ``critic.path`` (default: the actor's model
 folder); PPO computes GAE advantages from its values and takes one actor and one critic step per
 minibatch (see ``arealite/algorithms/ppo.py``). Only the actor's weights go to the inference
-servers; recover checkpoints hold both. The loop is :func:`arealite.launcher.rl_loop.run_rl`.
+servers; recover checkpoints hold both. The loop is :func:`arealite.trainer.rl_loop.run_rl`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 
 from arealite.algorithms.ppo import PPO
 from arealite.api.config import PPOConfig
-from arealite.engine.fsdp import FSDPCriticEngine
-from arealite.launcher.rl_loop import main as run
+from arealite.train_engine.fsdp import FSDPCriticEngine
+from arealite.trainer.rl_loop import main as run
 from arealite.reward.math import math_reward
 from arealite.utils.hf import resolve_model_path
 from arealite.workflow.rlvr import RLVRWorkflow

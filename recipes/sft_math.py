@@ -6,7 +6,7 @@
 Per step: a batch of (prompt, response) rows → next-token loss on the response tokens
 (token-mean over the global batch) → one AdamW step → log; every ``eval_freq_steps`` the
 held-out token-mean NLL on ``valid_dataset``. The loop is
-:func:`arealite.launcher.offline_loop.run_offline` (data position and recover checkpoints as in
+:func:`arealite.trainer.offline_loop.run_offline` (data position and recover checkpoints as in
 the RL loop). Outputs under ``fileroot/experiment_name/trial_name/``: ``stats.jsonl``,
 ``tensorboard/``, ``final/`` (HF checkpoint, loads with ``from_pretrained``).
 """
@@ -22,8 +22,8 @@ from arealite.api.cli import load_config
 from arealite.api.config import SFTConfig
 from arealite.dataset.loader import load_rows
 from arealite.dataset.sft_data import SFTCollator, load_sft_dataset
-from arealite.engine.fsdp import init_distributed
-from arealite.launcher.offline_loop import prepare_offline, run_offline
+from arealite.train_engine.fsdp import init_distributed
+from arealite.trainer.offline_loop import prepare_offline, run_offline
 
 
 def shard_batches(rows: list[dict], rank: int, world: int, batch_size: int, collate) -> list[dict]:

@@ -7,7 +7,7 @@
 The model may write a ```python block; it runs in :mod:`arealite.sandbox` (limits in ``sandbox.*``)
 and its output comes back as a message; a turn without code is the final answer, scored by the
 math reward (:mod:`arealite.workflow.tool_agent`). The loop is
-:func:`arealite.launcher.rl_loop.run_rl`; ``rollouts/rollouts.jsonl`` has ``info.tool_calls``.
+:func:`arealite.trainer.rl_loop.run_rl`; ``rollouts/rollouts.jsonl`` has ``info.tool_calls``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import ToolAgentGRPOConfig
-from arealite.launcher.rl_loop import main as run
+from arealite.trainer.rl_loop import main as run
 from arealite.workflow.tool_agent import ToolAgentMathWorkflow
 
 

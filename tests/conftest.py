@@ -32,7 +32,7 @@ def kill_once_after_checkpoint(rank: int, step: int) -> str:
     attempt only (a marker file beside ``recover/``)."""
     return f"""
 import os, runpy, signal, sys, time
-import arealite.launcher.rl_loop as loop
+import arealite.trainer.rl_loop as loop
 from arealite.utils.recover import list_checkpoints
 real = loop.save_checkpoint
 def save_then_die(root, step, *args, **kwargs):
@@ -60,7 +60,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def engine(tiny_model_dir, tmp_path_factory):
     """A RemoteInferenceEngine on one local server running the tiny model (module-scoped)."""
     from arealite.api.config import InferenceEngineConfig
-    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.inference.remote import RemoteInferenceEngine
     from arealite.launcher.local import launch_servers
 
     cfg = InferenceEngineConfig(n_servers=1, setup_timeout=120, request_timeout=60)

@@ -49,7 +49,7 @@ def test_agent_recipe_two_steps_on_two_ranks(tiny_model_dir, tmp_path, recipe, m
 
 KILL_AFTER_SAVE = """
 import os, runpy, signal, sys
-import arealite.launcher.rl_loop as loop
+import arealite.trainer.rl_loop as loop
 real = loop.save_checkpoint
 def save_then_die(root, step, *args, **kwargs):
     path = real(root, step, *args, **kwargs)

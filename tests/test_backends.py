@@ -11,7 +11,7 @@ import pytest
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.engine.remote import RemoteInferenceEngine, SGLangAdapter, VLLMAdapter
+from arealite.inference.remote import RemoteInferenceEngine, SGLangAdapter, VLLMAdapter
 from arealite.launcher.local import (check_backend_installed, gpu_assignment, launch_servers, server_command, server_env,
                                      vllm_cpu_cores)
 
@@ -38,7 +38,7 @@ def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension
     assert cmd == [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen",
                    "--host", "127.0.0.1", "--port", "30002",
                    "--tensor-parallel-size", "1", "--seed", "3", "--logprobs-mode", "processed_logprobs",
-                   "--max-num-seqs", "32", "--worker-extension-cls", "arealite.engine.vllm_ext.WeightUpdateExtension",
+                   "--max-num-seqs", "32", "--worker-extension-cls", "arealite.server.vllm_ext.WeightUpdateExtension",
                    "--dtype", "float32", "--enforce-eager"]
     # /collective_rpc is mounted only in dev mode; vLLM's workers must import arealite
     import arealite
@@ -57,7 +57,7 @@ def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension
 
 def test_local_command_binds_loopback():
     cmd = server_command(_cfg(), "/m", 30003, seed=1)
-    assert cmd[:3] == [sys.executable, "-m", "arealite.engine.server"]
+    assert cmd[:3] == [sys.executable, "-m", "arealite.server"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "30003"
     assert cmd[cmd.index("--max-batch-size") + 1] == "32"
 
@@ -130,7 +130,7 @@ def test_vllm_adapter_request_and_reply():
 
 def test_weight_update_requests_per_backend():
     """The request bodies of every weight-update call, SGLang's and vLLM's (/collective_rpc into
-    arealite.engine.vllm_ext.WeightUpdateExtension; body as vLLM's route reads it)."""
+    arealite.server.vllm_ext.WeightUpdateExtension; body as vLLM's route reads it)."""
     bucket = {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]], "group_name": "g",
               "flush_cache": True, "weight_version": 3}
     assert SGLangAdapter.init_group_request("10.0.0.1", 29500, 3, 5, "g", "nccl") == ("/init_weights_update_group", {
@@ -194,7 +194,7 @@ def test_vllm_client_resubmits_after_abort(monkeypatch):
 
 def test_pause_resume_endpoints_per_backend(monkeypatch):
     calls = []
-    monkeypatch.setattr("arealite.engine.remote.post_json",
+    monkeypatch.setattr("arealite.inference.remote.post_json",
                         lambda addr, endpoint, payload=None, *a, **k: calls.append((addr, endpoint)) or {"success": True})
     for backend, expected in (("sglang", ["/pause_generation", "/continue_generation", "/update_weights_from_disk"]),
                               ("vllm", ["/pause?mode=abort", "/resume"])):
@@ -210,7 +210,7 @@ def test_pause_resume_endpoints_per_backend(monkeypatch):
 def test_server_missing_a_control_call_is_excluded(monkeypatch):
     """A server that misses a pause/weight update never gets requests again (it would serve stale
     weights); the call fails only when every server fails."""
-    from arealite.engine.remote import ServerError
+    from arealite.inference.remote import ServerError
 
     down = {"h:2"}
 
@@ -219,7 +219,7 @@ def test_server_missing_a_control_call_is_excluded(monkeypatch):
             raise ServerError(f"http://{addr}{endpoint}: no answer after 3 attempts")
         return {"success": True}
 
-    monkeypatch.setattr("arealite.engine.remote.post_json", fake_post)
+    monkeypatch.setattr("arealite.inference.remote.post_json", fake_post)
     engine = RemoteInferenceEngine(InferenceEngineConfig(), ["h:1", "h:2"])
     engine.pause_generation()
     assert engine.live_addresses() == ["h:1"] and engine._choose_server("new") == "h:1"

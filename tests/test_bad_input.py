@@ -224,7 +224,7 @@ def test_model_folder_without_readable_config_names_actor_path(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# HTTP requests to `python -m arealite.engine.server`
+# HTTP requests to `python -m arealite.server`
 # ---------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -236,7 +236,7 @@ def _free_port() -> int:
 def server(tiny_model_dir, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("srv") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "arealite.engine.server", "--model-path", tiny_model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", tiny_model_dir,
                              "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     addr = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -309,7 +309,7 @@ def test_oversized_body_is_refused_and_the_server_keeps_serving(server):
 
 
 def test_unreachable_server_address_names_rollout_addresses():
-    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.inference.remote import RemoteInferenceEngine
 
     addr = f"127.0.0.1:{_free_port()}"  # nothing listens there
     eng = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=1.0), [addr])

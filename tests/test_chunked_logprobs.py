@@ -1,4 +1,4 @@
-"""Chunked LM head (arealite/engine/lm_head.py) and the engine's packed forward: equal to the
+"""Chunked LM head (arealite/train_engine/lm_head.py) and the engine's packed forward: equal to the
 naive full-logits computation in values and gradients, with the largest float buffer bounded by
 chunk × vocab."""
 
@@ -8,8 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from arealite.algorithms.functional import gather_logprobs
 from arealite.api.config import MicroBatchSpec, TrainEngineConfig
-from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.lm_head import chunked_logprobs_entropy
+from arealite.train_engine.fsdp import FSDPEngine
+from arealite.train_engine.lm_head import chunked_logprobs_entropy
 
 
 def naive(hidden, weight, bias, labels, temperature):

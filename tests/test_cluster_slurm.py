@@ -138,7 +138,7 @@ def test_server_step_relaunched_and_trainer_failure_restarts_the_job(slurm, tiny
     while killed is None and time.time() < deadline and proc.poll() is None:
         if (out / "stats.jsonl").exists() and (port := _server_port(out)):
             servers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                       if f"--port {port}" in " ".join(p.info["cmdline"] or []) and "arealite.engine.server" in
+                       if f"--port {port}" in " ".join(p.info["cmdline"] or []) and "arealite.server" in
                        " ".join(p.info["cmdline"] or [])]
             if servers:
                 servers[0].kill()

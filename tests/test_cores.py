@@ -1,4 +1,4 @@
-"""Core sharing (arealite/launcher/cores.py): the trainer's thread count follows the servers' idleness."""
+"""Core sharing (arealite/trainer/cores.py): the trainer's thread count follows the servers' idleness."""
 
 import os
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from arealite.api.config import InferenceEngineConfig
-from arealite.launcher.cores import CoreSharing, core_sharing_for
+from arealite.trainer.cores import CoreSharing, core_sharing_for
 
 
 class Clock:

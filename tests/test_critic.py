@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-from arealite.engine.fsdp import FSDPCriticEngine
+from arealite.train_engine.fsdp import FSDPCriticEngine
 from test_fsdp import assert_same_training, run_train_steps
 
 LENGTHS = [11, 4, 8, 2]

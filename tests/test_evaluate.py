@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from arealite.utils.metrics import extract_final_answer, majority_correct, pass_at_k, summarize
+from arealite.reward.metrics import extract_final_answer, majority_correct, pass_at_k, summarize
 
 
 def test_pass_at_k_equals_the_closed_form_on_hand_made_samples():
@@ -31,7 +31,7 @@ def test_the_reward_the_evaluator_and_the_vote_share_one_answer_module():
     import arealite.evaluate as ev
     import arealite.reward.answer as answer
     import arealite.reward.math as rm
-    import arealite.utils.metrics as metrics
+    import arealite.reward.metrics as metrics
 
     assert rm.extract_final_answer is answer.extract_final_answer is metrics.extract_final_answer
     assert ev.extract_final_answer is answer.extract_final_answer

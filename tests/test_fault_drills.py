@@ -14,7 +14,7 @@ from conftest import REPO_ROOT, save_tiny_model
 
 
 def _server_pids(model_dir: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"arealite.engine.server --model-path {model_dir} "],
+    out = subprocess.run(["pgrep", "-f", f"arealite.server --model-path {model_dir} "],
                          capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 

@@ -52,7 +52,7 @@ def test_one_vs_two_ranks_one_vs_four_microbatches_packed_vs_padded_agree(model_
 
 def test_lr_schedules_hand_computed():
     from arealite.api.config import OptimizerConfig
-    from arealite.engine.fsdp import lr_multiplier
+    from arealite.train_engine.fsdp import lr_multiplier
 
     def lrs(**kw):
         oc = OptimizerConfig(warmup_steps=2, min_lr_ratio=0.1, **kw)
@@ -67,7 +67,7 @@ def test_lr_schedules_hand_computed():
 
 def test_bad_engine_config_names_the_field():
     from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     with pytest.raises(ValueError, match="optimizer.lr_scheduler"):
         FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr_scheduler="step")))
@@ -98,7 +98,7 @@ def _n_tokens(mb):
 
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir):
     from arealite.api.config import OptimizerConfig, TrainEngineConfig
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     engine = FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-2, max_consecutive_skips=3)))
     engine.initialize(tiny_model_dir)
@@ -123,7 +123,7 @@ def test_saved_hf_checkpoint_generates_the_engines_greedy_tokens(tiny_model_dir,
     from transformers import AutoModelForCausalLM
 
     from arealite.api.config import OptimizerConfig, TrainEngineConfig
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     engine = FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-2)))
     engine.initialize(tiny_model_dir)
@@ -146,7 +146,7 @@ def test_saved_hf_checkpoint_generates_the_engines_greedy_tokens(tiny_model_dir,
 
 
 def test_first_fit_decreasing_packing_and_layout_by_hand():
-    from arealite.engine.packing import pack_sequences, packed_layout
+    from arealite.train_engine.packing import pack_sequences, packed_layout
 
     lengths = [13, 5, 9, 2, 1, 0]
     bins = pack_sequences(lengths, capacity=13)
@@ -162,7 +162,7 @@ def test_first_fit_decreasing_packing_and_layout_by_hand():
 
 def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
     from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     stats = []
     for ckpt in (False, True):
@@ -178,7 +178,7 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
 
 def test_micro_batch_without_loss_tokens_contributes_exactly_zero(tiny_model_dir):
     from arealite.api.config import MicroBatchSpec, TrainEngineConfig
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     batch = _batch()
     batch["loss_mask"][0] = 0  # the 9-token row ends up alone in a micro-batch: its mean would be 0/0

@@ -1,5 +1,6 @@
-"""The package's imports point one way (docs/architecture.md): contracts → pieces → engines →
-workflows → launchers → recipes, with no import cycle anywhere.
+"""The package's imports point one way (docs/architecture.md): every package of ``arealite/`` has
+a rank and imports only packages of a lower rank, a few named rules hold besides (engines ↛
+rollout/algorithms, rollout ↛ algorithms, workflows ↛ engines), and no import cycle exists.
 
 Every ``import``/``from … import`` of an ``arealite`` module counts, wherever it stands (module
 level, inside a function, under ``TYPE_CHECKING``): a lazy import is still a dependency."""
@@ -13,15 +14,32 @@ from conftest import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "arealite")
 
-# Layer of each top-level part of the package (a module may import its own layer or lower ones).
-LAYERS = {
-    "api": 0,  # contracts: configs, dataclasses, abstract engines/workflows, the weight-update protocol
-    "utils": 1, "algorithms": 1, "dataset": 1, "reward": 1, "rollout": 1, "sandbox": 1,  # pieces
-    "engine": 2,  # trainer engine, HTTP client, our server, weight sync, vLLM extension
-    "workflow": 3, "agent": 3,  # rollouts of one data row
-    "launcher": 4, "evaluate": 4, "report": 4,  # processes, the training loops, the weight-update coordinator
+# Rank of each package (a top-level part of arealite/): a module imports its own package or packages
+# of a lower rank, never one of equal or higher rank (docs/architecture.md lists the same table).
+RANKS = {
+    "api": 0,  # contracts: configs, dataclasses, the ABCs, the weight-update wire format
+    "utils": 1,  # processes, HF loading, recover checkpoints, stats logger, timeline
+    "reward": 2, "algorithms": 2, "sandbox": 2,  # verifiers and metrics; losses; the code sandbox
+    "dataset": 3,  # rows, loaders (math rows carry answers normalised by arealite.reward)
+    "rollout": 4,  # the asyncio executor and the staleness rule
+    "train_engine": 5, "inference": 5,  # FSDP2 train engine; the HTTP inference client
+    "weights": 6,  # the trainer's weight push (the HTTP client's control calls + the process group)
+    "server": 7,  # what runs inside a generation server: ours, and the vLLM worker extension
+    "workflow": 8,  # rollouts of one data row (against the InferenceEngine ABC)
+    "agent": 9,  # the OpenAI-compatible client and proxy, on top of the workflows
+    "launcher": 10,  # processes: local servers, Ray, Slurm
+    "evaluate": 11, "report": 11,  # held-out evaluation (launches servers), the run report
+    "trainer": 12,  # the training loops, the weight-update coordinator, core sharing
 }
-NAMES = {0: "contracts", 1: "pieces", 2: "engines", 3: "workflows", 4: "launchers"}
+ENGINES = {"train_engine", "inference", "weights", "server"}
+# Named rules beyond the ranks: (importer packages, imported packages, why).
+NEVER = [
+    (ENGINES, {"rollout"}, "engines know no rollout executor"),
+    (ENGINES, {"algorithms"}, "engines know no algorithm"),
+    ({"rollout"}, {"algorithms"}, "the executor knows no algorithm"),
+    ({"workflow", "agent"}, ENGINES, "workflows reach models through the InferenceEngine ABC only"),
+    ({"api"}, set(RANKS) - {"api"}, "contracts import nothing else of arealite"),
+]
 
 
 def _modules() -> dict[str, str]:
@@ -65,20 +83,42 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(p, m, set(mods)) for m, p in mods.items()}
 
 
-def _layer(module: str) -> int | None:
-    part = module.split(".")[1] if "." in module else None
-    return LAYERS.get(part)
+def _package(module: str) -> str | None:
+    return module.split(".")[1] if "." in module else None
 
 
-def test_every_module_has_a_layer():
-    assert sorted(m for m in _graph() if m != "arealite" and _layer(m) is None) == []
+def test_every_package_has_a_rank():
+    assert sorted({_package(m) for m in _graph() if m != "arealite"} - set(RANKS)) == []
 
 
-def test_imports_never_point_to_a_higher_layer():
-    bad = [f"{m} ({NAMES[_layer(m)]}) imports {d} ({NAMES[_layer(d)]})"
-           for m, deps in sorted(_graph().items()) if m != "arealite"
-           for d in sorted(deps) if d != "arealite" and _layer(d) > _layer(m)]
-    assert bad == []
+def _violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of ``graph`` (module → imported modules) that break a rank or a named rule."""
+    bad = []
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            pm, pd = _package(m), _package(d)
+            if m == "arealite" or d == "arealite" or pm == pd:
+                continue
+            if RANKS[pd] >= RANKS[pm]:
+                bad.append(f"{m} (rank {RANKS[pm]}) imports {d} (rank {RANKS[pd]})")
+            bad += [f"{m} imports {d}: {why}" for importers, imported, why in NEVER if pm in importers and pd in imported]
+    return bad
+
+
+def test_imports_follow_the_ranks_and_the_named_rules():
+    assert _violations(_graph()) == []
+
+
+def test_the_checker_refuses_same_rank_upward_and_named_imports():
+    """Not vacuous: an import between equal ranks, an upward one and each named rule fail."""
+    made_up = {"arealite.inference.x": {"arealite.train_engine.y"},  # equal ranks
+               "arealite.utils.a": {"arealite.reward.b"},  # upward
+               "arealite.rollout.e": {"arealite.algorithms.g"},  # rank allows it, the rule does not
+               "arealite.server.s": {"arealite.rollout.e"},
+               "arealite.agent.c": {"arealite.inference.x", "arealite.api.ok"}}
+    bad = _violations(made_up)
+    assert len(bad) == 5, bad
+    assert not any("api.ok" in b for b in bad)
 
 
 def test_no_import_cycle():
@@ -110,12 +150,21 @@ def test_the_checker_sees_a_lazy_upward_import(tmp_path):
     assert _imports(str(f), "arealite.api.mod", known) == {"arealite.engine.fsdp", "arealite.launcher.local"}
 
 
-@pytest.mark.parametrize("recipe", sorted(f for f in os.listdir(os.path.join(REPO_ROOT, "recipes")) if f.endswith(".py")))
+RECIPES = sorted(os.path.relpath(os.path.join(root, f), os.path.join(REPO_ROOT, "recipes"))
+                 for root, _, files in os.walk(os.path.join(REPO_ROOT, "recipes")) for f in files if f.endswith(".py"))
+
+
+def test_agent_recipes_are_scanned():
+    assert any(r.startswith("agents" + os.sep) for r in RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_import_only_the_package(recipe):
-    """No recipe edits sys.path or imports another recipe: a new user's file needs neither."""
+    """No recipe (recipes/ and recipes/agents/) edits sys.path or imports another recipe: a new
+    user's file needs neither."""
     src = open(os.path.join(REPO_ROOT, "recipes", recipe)).read()
     assert "sys.path" not in src
-    others = {f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, "recipes")) if f.endswith(".py")}
+    others = {os.path.basename(f)[:-3] for f in RECIPES}
     tree = ast.parse(src)
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
         {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

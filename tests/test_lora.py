@@ -16,7 +16,7 @@ import torch
 
 from arealite.api.cli import ConfigError, load_config
 from arealite.api.config import GRPOConfig, LoRAConfig
-from arealite.engine.server.weights import merge_lora
+from arealite.server.weights import merge_lora
 from conftest import REPO_ROOT, save_tiny_model
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "dist", "lora_grpo.py")
@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     from arealite.api.config import InferenceEngineConfig
-    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.inference.remote import RemoteInferenceEngine
     from arealite.launcher.local import launch_servers
 
     cfg = InferenceEngineConfig(n_servers=1, setup_timeout=120, request_timeout=60)
@@ -87,7 +87,7 @@ def test_saved_adapter_loads_with_peft_and_generates_the_trainers_tokens(runs, m
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from arealite.engine.remote import post_json
+    from arealite.inference.remote import post_json
 
     one, _ = runs
     want = torch.load(one / "final.pt")["greedy"]
@@ -141,7 +141,7 @@ def test_server_merge_keeps_the_base_and_checks_before_changing_anything():
 
 
 def test_bad_lora_config_names_the_field(model_dir):
-    from arealite.engine.lora import check_target_modules
+    from arealite.train_engine.lora import check_target_modules
 
     for argv, field in ((["--actor.lora.rank", "-2"], "actor.lora.rank"),
                         (["--actor.lora.rank", "8", "--actor.lora.alpha", "0"], "actor.lora.alpha"),
@@ -162,9 +162,9 @@ def test_merged_push_for_vllm_has_the_hf_names_and_the_trainers_logprobs(model_d
     from transformers import AutoModelForCausalLM
 
     from arealite.api.config import TrainEngineConfig
-    from arealite.engine.fsdp import FSDPEngine
-    from arealite.engine.lora import sync_specs, sync_tensors
-    from arealite.engine.server.weights import load_named_tensors, load_weights_from_disk
+    from arealite.train_engine.fsdp import FSDPEngine
+    from arealite.train_engine.lora import sync_specs, sync_tensors
+    from arealite.server.weights import load_named_tensors, load_weights_from_disk
 
     actor = FSDPEngine(TrainEngineConfig(lora=LoRAConfig(rank=4, alpha=8.0, init_lora_weights="false")), temperature=0.7)
     actor.initialize(model_dir)  # random A and B: the adapters change the outputs
@@ -185,7 +185,7 @@ def test_merged_push_for_vllm_has_the_hf_names_and_the_trainers_logprobs(model_d
     load_named_tensors(plain, merged)
     torch.testing.assert_close(logprobs(plain), mine[0, 1:], atol=1e-4, rtol=0)
     # the disk form of the same push (save_merged) and the adapter folder both load into a fresh server model
-    from arealite.engine.lora import save_adapter, save_merged
+    from arealite.train_engine.lora import save_adapter, save_merged
 
     save_merged(actor, str(tmp_path / "merged"))
     save_adapter(actor, str(tmp_path / "adapter"))

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from arealite.agent import ArealOpenAI, OpenAIAgentWorkflow
 from arealite.api.config import GenerationConfig, TrainEngineConfig
 from arealite.api.io_struct import ModelResponse
-from arealite.engine.fsdp import FSDPEngine
+from arealite.train_engine.fsdp import FSDPEngine
 from arealite.workflow.multi_turn import episodes_to_batch
 from arealite.utils.hf import tokenize_chat
 

@@ -1,13 +1,13 @@
 """Prefix sharing (issue 15, "skip work that cannot change the result"): rows that start with
 the same prompt run it once per micro-batch, their completions attending to the one copy through
-a 4D mask (arealite/engine/packing.py ``prompt_units`` / ``shared_prompt_layout``). Proven here on a
+a 4D mask (arealite/train_engine/packing.py ``prompt_units`` / ``shared_prompt_layout``). Proven here on a
 real FSDPEngine (tiny Llama): the same logprobs, the same gradients and the same AdamW update
 (≤ 1e-6) as running every row on its own, for sdpa and eager attention, the actor and the critic."""
 
 import pytest
 import torch
 
-from arealite.engine.packing import prompt_units, shared_prompt_layout, unit_length
+from arealite.train_engine.packing import prompt_units, shared_prompt_layout, unit_length
 
 
 def test_units_and_layout_by_hand():
@@ -66,7 +66,7 @@ def _n_loss_tokens(mb):
 
 def _run(model_dir, sharing, attn, critic=False, budget=2048):
     from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-    from arealite.engine.fsdp import FSDPCriticEngine, FSDPEngine
+    from arealite.train_engine.fsdp import FSDPCriticEngine, FSDPEngine
 
     cfg = TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-4, gradient_clipping=0.0), attn_implementation=attn,
                             mb_spec=MicroBatchSpec(max_tokens_per_mb=budget, prefix_sharing=sharing))
@@ -128,7 +128,7 @@ def test_shared_prompts_in_several_micro_batches_and_the_critic(tiny_model_dir):
 
 
 def test_negative_control_completions_that_see_each_other_change_the_logprobs(tiny_model_dir, monkeypatch):
-    import arealite.engine.fsdp as fsdp
+    import arealite.train_engine.fsdp as fsdp
 
     real = fsdp.shared_prompt_layout
 

@@ -120,7 +120,7 @@ def test_proxy_episodes_are_trainable_and_counted_by_the_executor(engine, tiny_m
     """Real server (tiny model, sampled at T=0.7) behind the proxy, the openai-package agent in its
     own process, the episode run by the WorkflowExecutor: the trainer's recomputed logprobs equal
     the server's, versions are the engine's, and the executor counted the episode."""
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     gconfig = GenerationConfig(n_samples=2, temperature=0.7, max_new_tokens=6)

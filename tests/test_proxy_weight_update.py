@@ -3,7 +3,7 @@ weights are held, not dropped, and complete; every sampled token records the ver
 weights produced it (checked against each version's own logprobs).
 
 Our server on the tiny model (10 ms per decode step), the proxy, and the weight-update order of
-``arealite.launcher.weight_update.sync_weights`` (pause → load → set_version → continue) in the
+``arealite.trainer.weight_update.sync_weights`` (pause → load → set_version → continue) in the
 middle of a two-turn session, while a second session's first call arrives during the pause.
 """
 
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arealite.agent.proxy import TrainingProxy
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
-from arealite.engine.remote import RemoteInferenceEngine, wait_healthy
+from arealite.inference.remote import RemoteInferenceEngine, wait_healthy
 from conftest import REPO_ROOT, save_tiny_model
 
 LONG = 150  # tokens of the call that the update interrupts (>= 1.5 s at 10 ms per step)
@@ -36,7 +36,7 @@ def slow_server(tiny_model_dir, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "arealite.engine.server", "--model-path", tiny_model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", tiny_model_dir,
                              "--port", str(port), "--seed", "1", "--decode-step-delay", "0.01"],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

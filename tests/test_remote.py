@@ -1,4 +1,4 @@
-"""The rollout client (arealite.engine.remote) against fake, stalled, killed and real servers.
+"""The rollout client (arealite.inference.remote) against fake, stalled, killed and real servers.
 
 * Payloads: requests the client sends and the SGLang replies it parses, with the field names
   and types of ``../shared/reference/inference-protocols.md`` §1.1 (incl. abort replies with and
@@ -24,7 +24,7 @@ from aiohttp import web
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.engine.remote import RemoteInferenceEngine, ServerError, ServerTimeoutError, wait_healthy
+from arealite.inference.remote import RemoteInferenceEngine, ServerError, ServerTimeoutError, wait_healthy
 
 from conftest import save_tiny_model
 
@@ -164,9 +164,9 @@ def test_scheduler_replies_have_sglang_shapes(tiny_model_dir):
     (running -> partial tokens, waiting -> "Abort before prefill" with zero tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arealite.engine.server.messages import Generate, Pause
-    from arealite.engine.server.protocol import ABORT_BEFORE_PREFILL as BEFORE, SamplingParams
-    from arealite.engine.server.scheduler import Scheduler
+    from arealite.server.messages import Generate, Pause
+    from arealite.server.protocol import ABORT_BEFORE_PREFILL as BEFORE, SamplingParams
+    from arealite.server.scheduler import Scheduler
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -278,7 +278,7 @@ def real_servers(tmp_path_factory, tiny_model_dir):
     for i in range(2):
         port = _free_port()
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "arealite.engine.server", "--model-path", model_a, "--port", str(port),
+            [sys.executable, "-m", "arealite.server", "--model-path", model_a, "--port", str(port),
              "--seed", str(i + 1), "--decode-step-delay", "0.01"],
             cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         addrs.append(f"127.0.0.1:{port}")
@@ -346,7 +346,7 @@ def test_sixteen_requests_survive_pause_update_continue(real_servers):
     assert switched >= 14  # a random tiny model rarely emits EOS before the pause
     # both servers took part (least-outstanding routing spreads new rids)
     for a in addrs:
-        from arealite.engine.remote import post_json
+        from arealite.inference.remote import post_json
 
         assert post_json(a, "/get_model_info", method="GET")["weight_version"] == 1
 

@@ -10,8 +10,8 @@ import torch
 
 from arealite.api.config import GenerationConfig, TrainEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.remote import ServerError, post_json
+from arealite.train_engine.fsdp import FSDPEngine
+from arealite.inference.remote import ServerError, post_json
 from arealite.workflow.rlvr import build_trajectories
 
 from conftest import save_tiny_model

@@ -1,4 +1,4 @@
-"""End-to-end tests of arealite.engine.server against a tiny random Llama on CPU.
+"""End-to-end tests of arealite.server against a tiny random Llama on CPU.
 
 The server runs as a subprocess; every expected value is recomputed with the HF model
 in this process (``model.generate`` or a teacher-forced forward).
@@ -19,8 +19,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from arealite.engine.server.protocol import SamplingParams, parse_generate_request
-from arealite.engine.server.sampling import sample_next_tokens
+from arealite.server.protocol import SamplingParams, parse_generate_request
+from arealite.server.sampling import sample_next_tokens
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
@@ -61,7 +61,7 @@ def server(models):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "arealite.engine.server", "--model-path", models["a"][1],
+        [sys.executable, "-m", "arealite.server", "--model-path", models["a"][1],
          "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
          "--max-batch-size", "64", "--dtype", "float32", "--seed", "1",
          # >= 5 ms per decode step: 200 tokens take >= 1 s, so a pause at 0.5 s lands mid-way.
@@ -417,7 +417,7 @@ def test_set_num_threads_applies_on_the_scheduler_thread(server, models):
     gives the same greedy tokens with either count, bad bodies get 400, and the client's
     ``set_server_threads`` sends it only to our server (backend "local")."""
     from arealite.api.config import InferenceEngineConfig
-    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.inference.remote import RemoteInferenceEngine
 
     addr = server.removeprefix("http://")
     one = _generate(server, PROMPT, max_new_tokens=12, temperature=0.0)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from arealite.engine.server.messages import Generate, LoadFromDisk, LoadTensors
-from arealite.engine.server.protocol import SamplingParams
-from arealite.engine.server.scheduler import Scheduler
+from arealite.server.messages import Generate, LoadFromDisk, LoadTensors
+from arealite.server.protocol import SamplingParams
+from arealite.server.scheduler import Scheduler
 
 VOCAB = 128
 
@@ -155,7 +155,7 @@ def test_sliding_window_models_are_refused():
 def test_inverse_cdf_sampling_frequencies():
     """20000 draws per row match the tempered / nucleus-filtered distribution to 0.01, and a
     zero-probability token (after filtering) is never drawn."""
-    from arealite.engine.server.sampling import sample_next_tokens
+    from arealite.server.sampling import sample_next_tokens
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 20000
@@ -209,7 +209,7 @@ def test_next_turn_reuses_the_finished_turns_kv():
 
 
 def test_prefix_store_longest_match_and_lru_eviction():
-    from arealite.engine.server.kv_cache import PrefixStore
+    from arealite.server.kv_cache import PrefixStore
 
     store = PrefixStore(max_tokens=64, block=4)
     kv = lambda n, fill: [torch.full((2, n, 3), float(fill))]  # noqa: E731 - one layer [H, n, D]
@@ -276,7 +276,7 @@ def test_disk_update_with_abort_all_requests_returns_partial_outputs(tmp_path):
 
 
 def test_generate_request_validation_of_numbers():
-    from arealite.engine.server.protocol import RequestError, parse_generate_request
+    from arealite.server.protocol import RequestError, parse_generate_request
 
     def params(**sp):
         return parse_generate_request({"input_ids": [1, 2], "sampling_params": sp}, VOCAB, 256)[1]

@@ -20,7 +20,7 @@ import pytest
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json, wait_healthy
+from arealite.inference.remote import RemoteInferenceEngine, ServerError, post_json, wait_healthy
 from arealite.launcher.local import ServerFollower, ServerWatcher
 
 from conftest import save_tiny_model
@@ -31,7 +31,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _start(model: str, port: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-m", "arealite.engine.server", "--model-path", model, "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", model, "--port", str(port),
                              "--decode-step-delay", "0.02"], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -72,7 +72,7 @@ def test_lanes_hold_non_overlapping_spans():
 def test_interrupted_segments_are_separate_spans_on_the_server_track(fake_sglang):  # noqa: F811
     from arealite.api.config import GenerationConfig, InferenceEngineConfig
     from arealite.api.io_struct import ModelRequest
-    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.inference.remote import RemoteInferenceEngine
 
     addr, script, _ = fake_sglang
     script += [ABORT_PARTIAL, STOP]

@@ -22,10 +22,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arealite.engine.remote import ServerError, VLLMAdapter, post_control, post_json
-from arealite.engine.vllm_ext import WeightUpdateExtension
-from arealite.engine.weight_sync import (_free_port, broadcast_tensor, broadcast_weights, dtype_name, iter_buckets,
-                                         new_weight_update_group)
+from arealite.inference.remote import ServerError, VLLMAdapter, post_control, post_json
+from arealite.server.vllm_ext import WeightUpdateExtension
+from arealite.api.weight_update import dtype_name
+from arealite.weights.sync import _free_port, broadcast_tensor, broadcast_weights, iter_buckets, new_weight_update_group
 
 from conftest import save_tiny_model
 
@@ -255,7 +255,7 @@ def test_server_without_dev_mode_or_extension_is_a_clear_error():
     with fake_vllm_server([FakeWorker(0, None)], dev_mode=False) as addr:
         with pytest.raises(ServerError, match="answered 404.*VLLM_SERVER_DEV_MODE"):
             post_control(VLLMAdapter, addr, VLLMAdapter.disk_update("/w", 1), 10)
-    with pytest.raises(ServerError, match="--worker-extension-cls arealite.engine.vllm_ext.WeightUpdateExtension"):
+    with pytest.raises(ServerError, match="--worker-extension-cls arealite.server.vllm_ext.WeightUpdateExtension"):
         VLLMAdapter.control_reply({"results": ["None"]})  # a method that is not ours answered
     with pytest.raises(ServerError, match=r"different weight versions \['3', '4'\]"):
         VLLMAdapter.parse_weight_version({"results": [{"success": True, "weight_version": 3},
@@ -283,7 +283,7 @@ def test_broadcast_weights_through_the_vllm_adapter(tiny_model_dir, model_b):
 def test_engine_disk_update_and_version_check_with_vllm(tiny_model_dir, model_b):
     from arealite.api.config import InferenceEngineConfig
     from arealite.api.io_struct import WeightUpdateMeta
-    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.inference.remote import RemoteInferenceEngine
 
     sender = _load(model_b)
     workers = [FakeWorker(r, _load(tiny_model_dir)) for r in (0, 1)]
@@ -302,7 +302,7 @@ def test_engine_disk_update_and_version_check_with_vllm(tiny_model_dir, model_b)
 def test_tied_modules_are_post_processed_again():
     """The tied LM head gets no checkpoint tensor in a reload, so its post-processing (on vLLM-CPU
     a packed GEMM handle of the embedding) is re-run; modules with their own weights are not."""
-    from arealite.engine.vllm_ext import reprocess_shared_modules
+    from arealite.server.vllm_ext import reprocess_shared_modules
 
     class Method:
         def __init__(self):

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig  # noqa: E402
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta  # noqa: E402
-from arealite.engine.remote import RemoteInferenceEngine, VLLMAdapter, post_control, post_json  # noqa: E402
+from arealite.inference.remote import RemoteInferenceEngine, VLLMAdapter, post_control, post_json  # noqa: E402
 
 PROMPT = [1, 504, 3458, 314, 253, 1234, 9, 88, 777, 42, 1001, 17]
 TOL = 1e-4
@@ -190,7 +190,7 @@ def test_disk_update_equals_hf(on_model_a, models):
 def test_distributed_update_equals_hf(on_model_a, models, bucket_bytes):
     """Fused q/k/v and gate/up parts arrive in different buckets with one-tensor buckets; the
     tied LM head is never named."""
-    from arealite.engine.weight_sync import broadcast_weights
+    from arealite.weights.sync import broadcast_weights
 
     addr = on_model_a
     sender = load_hf(models["B"])
@@ -212,8 +212,8 @@ SENDER = textwrap.dedent('''
     import torch
     from transformers import AutoModelForCausalLM
     from arealite.api.weight_update import dtype_name
-    from arealite.engine.remote import VLLMAdapter, post_control
-    from arealite.engine.weight_group import broadcast_tensor, new_weight_update_group
+    from arealite.inference.remote import VLLMAdapter, post_control
+    from arealite.weights.group import broadcast_tensor, new_weight_update_group
     addr, path, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     params = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
     threading.Thread(target=post_control, daemon=True, args=(VLLMAdapter, addr, VLLMAdapter.init_group_request(
@@ -235,7 +235,7 @@ SENDER = textwrap.dedent('''
 
 
 def test_sender_dying_half_way_leaves_the_old_version(on_model_a, models, tmp_path):
-    from arealite.engine.weight_sync import _free_port, broadcast_weights
+    from arealite.weights.sync import _free_port, broadcast_weights
 
     addr = on_model_a
     pause(addr)
@@ -334,7 +334,7 @@ def test_pause_update_continue_with_16_long_requests(on_model_a, models):
 def _loop_module():
     """The module whose ``sync_weights`` the GRPO loop calls (the loop is moving into the package)."""
     try:
-        import arealite.launcher.rl_loop as loop
+        import arealite.trainer.rl_loop as loop
 
         if hasattr(loop, "sync_weights"):
             return loop

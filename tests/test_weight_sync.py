@@ -12,11 +12,11 @@ import torch
 
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
-from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json
-from arealite.engine.weight_sync import iter_buckets
+from arealite.train_engine.fsdp import FSDPEngine
+from arealite.inference.remote import RemoteInferenceEngine, ServerError, post_json
+from arealite.weights.sync import iter_buckets
 from arealite.launcher.local import launch_servers
-from arealite.launcher.weight_update import push_weights
+from arealite.trainer.weight_update import push_weights
 
 from conftest import save_tiny_model
 
@@ -66,7 +66,7 @@ def _hf_greedy(path, n=12):
 @pytest.mark.parametrize("bucket_mb,expect_buckets", [(0, "per_tensor"), (1024, 1)])
 def test_broadcast_makes_server_weights_identical(setup, bucket_mb, expect_buckets):
     rollout, actor, model_a, model_b = setup
-    from arealite.engine.weight_sync import broadcast_weights
+    from arealite.weights.sync import broadcast_weights
 
     # Start from model A on every server (the previous case left B there).
     rollout.update_weights(WeightUpdateMeta(type="disk", path=model_a, version=0))
@@ -113,7 +113,7 @@ def test_push_weights_distributed_through_the_coordinator(setup):
 def test_restarted_trainer_rejoins_under_the_same_group_name(setup):
     """A new trainer process knows nothing of the old group; the servers still hold one of the
     same name. Its first push must replace that group, not be refused."""
-    from arealite.engine import weight_sync as ws
+    from arealite.weights import sync as ws
 
     rollout, actor, model_a, model_b = setup
     rollout.update_weights(WeightUpdateMeta(type="disk", path=model_a, version=0))

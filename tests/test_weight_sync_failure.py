@@ -19,13 +19,13 @@ import time
 import pytest
 import torch
 
-import arealite.engine.weight_sync as ws
-import arealite.launcher.weight_update as wu
+import arealite.weights.sync as ws
+import arealite.trainer.weight_update as wu
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
-from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.remote import RemoteInferenceEngine, ServerError, post_json, wait_healthy
-from arealite.engine.weight_sync import WeightSyncError
+from arealite.train_engine.fsdp import FSDPEngine
+from arealite.inference.remote import RemoteInferenceEngine, ServerError, post_json, wait_healthy
+from arealite.weights.sync import WeightSyncError
 from arealite.launcher.local import _free_port, server_command
 
 from conftest import save_tiny_model
@@ -149,8 +149,8 @@ TWO_RANKS = """
 import sys
 import torch.distributed as dist
 from arealite.api.config import TrainEngineConfig
-from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.weight_sync import WeightSyncError, broadcast_weights
+from arealite.train_engine.fsdp import FSDPEngine
+from arealite.weights.sync import WeightSyncError, broadcast_weights
 actor = FSDPEngine(TrainEngineConfig(path=sys.argv[1]))
 actor.initialize(sys.argv[1])
 try:

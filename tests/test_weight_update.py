@@ -9,7 +9,7 @@ import torch
 from arealite.api.weight_update import (DEFAULT_GROUP_NAME, DiskUpdate, InitGroup, ProtocolError, UpdateBucket,
                                         destroy_group_body, dtype_name, parse_destroy_group, parse_dtype,
                                         parse_version, reply)
-from arealite.engine.server.protocol import error_body
+from arealite.server.protocol import error_body
 
 
 def test_init_group_round_trip_and_string_port():

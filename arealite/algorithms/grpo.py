@@ -112,7 +112,7 @@ class GRPO(Algorithm):
 
     @classmethod
     def from_config(cls, config, actor: TrainEngine, ref: TrainEngine | None = None):
-        """The builder the RL loop takes (:func:`arealite.launcher.rl_loop.run_rl`): ``cls`` on
+        """The builder the RL loop takes (:func:`arealite.trainer.rl_loop.run_rl`): ``cls`` on
         ``config.algo`` with group size ``config.gconfig.n_samples`` and L_max
         ``config.gconfig.max_new_tokens`` (GRPO, GSPO, RLOO, REINFORCE++)."""
         return cls(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,

@@ -1,7 +1,7 @@
 """PPO with a learned critic (Schulman et al. 2017, arXiv 1707.06347; for LLMs as in Ouyang et
 al. 2022, arXiv 2203.02155), decoupled for stale data (AReaL, arXiv 2505.24298, Eq. 5), in one file.
 
-A critic (:class:`arealite.engine.fsdp.FSDPCriticEngine`: the policy's backbone with a scalar
+A critic (:class:`arealite.train_engine.fsdp.FSDPCriticEngine`: the policy's backbone with a scalar
 value head) estimates V_t, the expected return of the state before token t. Per update::
 
     r̃_i      = normalise(r_i)                  # algo.reward_norm: none | group | batch

@@ -176,7 +176,7 @@ def _check_lora(c: "LoRAConfig", p: str) -> None:
     """``actor.lora`` / ``critic.lora``: rank ≥ 0, alpha > 0, dropout in [0, 1), target module
     names (identifier suffixes such as ``q_proj`` or ``self_attn.q_proj``, or ``all-linear``);
     whether they exist in the model is checked from its config.json before the weights load
-    (:func:`arealite.engine.lora.check_target_modules`)."""
+    (:func:`arealite.train_engine.lora.check_target_modules`)."""
     _number(c, p, "rank", integer=True, ge=0, fix="0 = no LoRA (full fine-tuning), e.g. 16")
     if not c.rank:
         return

@@ -115,7 +115,7 @@ class InferenceEngineConfig:
     server_args: list[str] = field(default_factory=list)  # sglang/vllm: extra launch flags, e.g. ["--mem-fraction-static", "0.8"]
     n_servers: int = 1  # servers to launch when no addresses are given
     server_threads: int = 1  # torch threads per launched server process
-    share_idle_cores: bool = True  # CPU trainer + launched servers: the trainer also uses the servers' threads while no request runs (arealite/launcher/cores.py)
+    share_idle_cores: bool = True  # CPU trainer + launched servers: the trainer also uses the servers' threads while no request runs (arealite/trainer/cores.py)
     server_max_batch_size: int = 128  # concurrent sequences decoded together per server
     consumer_batch_size: int = 8  # trajectories (prompts) per training step over all ranks
     max_concurrent_rollouts: int = 0  # episodes in flight over all ranks (0 = consumer_batch_size)

@@ -71,7 +71,7 @@ class InferenceEngine(abc.ABC):
     :meth:`continue_generation`, :meth:`update_weights`. Everything else has a default here.
     The rollout executor (:class:`arealite.rollout.executor.WorkflowExecutor`) runs workflows
     against any implementation; the weight-update coordinator
-    (:func:`arealite.launcher.weight_update.sync_weights`) also calls
+    (:func:`arealite.trainer.weight_update.sync_weights`) also calls
     ``weight_update_meta(path, version)`` (where the trainer pushes to) and, for distributed
     pushes, ``exclude_servers(addresses, reason)``.
 

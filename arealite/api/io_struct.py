@@ -70,7 +70,7 @@ class WeightUpdateMeta:
 
     Attributes:
         type: "disk" (the trainer saves an HF folder, servers load it) or "distributed" (trainer
-            rank 0 broadcasts the parameters to the servers, see arealite/engine/weight_sync.py).
+            rank 0 broadcasts the parameters to the servers, see arealite/weights/sync.py).
         path: folder written by the trainer and read by the servers ("disk" only).
         version: the weight version after this update (= completed training steps).
         addresses: "distributed": the servers, in the same order on every rank.
@@ -79,7 +79,7 @@ class WeightUpdateMeta:
         timeout_s: "distributed": a hung server fails the push after this long, per bucket and
             for the group setup [s] (``rollout.weight_sync_timeout``); a dead one fails at once.
         backend: the servers' protocol, ``rollout.backend`` ("local" | "sglang" | "vllm"): which
-            requests carry the update (``arealite.engine.remote.ADAPTERS``).
+            requests carry the update (``arealite.inference.remote.ADAPTERS``).
     """
 
     type: str
@@ -97,7 +97,7 @@ class RolloutStat:
     """Counters of the staleness controller (per trainer rank).
 
     ``submitted``: episodes handed to the executor; ``running``: in flight; ``accepted``: finished
-    and queued for training (cumulative, see DESIGN.md); ``rejected``: the workflow returned
+    and queued for training (cumulative); ``rejected``: the workflow returned
     None; ``failed``: the workflow raised; ``dropped_stale``: finished but older than the
     staleness bound when drained.
     """

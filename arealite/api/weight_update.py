@@ -1,15 +1,15 @@
 """The weight-update protocol: what a trainer sends an inference server to change its weights,
 and what the server answers.
 
-One definition shared by the trainer side (:mod:`arealite.engine.weight_sync` and the HTTP
-adapters of :mod:`arealite.engine.remote`), our server (:mod:`arealite.engine.server`) and the
-vLLM worker extension (:mod:`arealite.engine.vllm_ext`). Pure data: endpoint names, request
+One definition shared by the trainer side (:mod:`arealite.weights.sync` and the HTTP
+adapters of :mod:`arealite.inference.remote`), our server (:mod:`arealite.server`) and the
+vLLM worker extension (:mod:`arealite.server.vllm_ext`). Pure data: endpoint names, request
 bodies as small frozen dataclasses that build (``to_json``) and validate (``from_json``) the
 JSON, dtype names, and the one reply shape. The torch.distributed side (joining the group,
-broadcasting) is :mod:`arealite.engine.weight_group`.
+broadcasting) is :mod:`arealite.weights.group`.
 
-Wire format: SGLang's HTTP protocol (``../shared/reference/inference-protocols.md`` §1.3 and
-§1.4), unchanged:
+Wire format: SGLang's HTTP protocol (SGLang's native API, <https://docs.sglang.ai/basic_usage/native_api.html>:
+``/update_weights_from_disk`` and the distributed-update endpoints), unchanged:
 
 * ``POST /init_weights_update_group`` :class:`InitGroup` ``{master_address, master_port,
   rank_offset, world_size, group_name, backend}``: the server's rank ``r`` (its TP rank, 0
@@ -47,7 +47,7 @@ UPDATE_FROM_DISK_ENDPOINT = "/update_weights_from_disk"
 MODEL_INFO_ENDPOINT = "/get_model_info"  # GET; the reply's "weight_version"
 
 VLLM_RPC_ENDPOINT = "/collective_rpc"
-# Request kind -> method of arealite.engine.vllm_ext.WeightUpdateExtension (vLLM refuses method
+# Request kind -> method of arealite.server.vllm_ext.WeightUpdateExtension (vLLM refuses method
 # names its worker already has, hence the prefix).
 VLLM_METHODS = {
     "init_group": "arealite_init_group",

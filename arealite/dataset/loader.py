@@ -1,8 +1,8 @@
 """The data position of a run: dataset rows → per-rank batches, epoch after epoch, resumable.
 
 One owner of "where in the data are we": :class:`EpochLoader`. Every loop (the RL loop of
-:mod:`arealite.launcher.rl_loop` through the rollout executor, and the supervised loop of
-:mod:`arealite.launcher.offline_loop`) reads its batches from one, and a recover checkpoint
+:mod:`arealite.trainer.rl_loop` through the rollout executor, and the supervised loop of
+:mod:`arealite.trainer.offline_loop`) reads its batches from one, and a recover checkpoint
 stores its ``state_dict()`` under the key ``"data"``.
 
 * :func:`load_rows`: a dataset loader whose errors name the config field to fix.

@@ -65,7 +65,7 @@ def multiplication_reward(completion: str, answer: str) -> float:
 
 def load_multiplication(path: str | None, split: str = "train", size: int | None = None, seed: int = 0,
                         instruction: str | None = None) -> list[dict]:
-    """A ``dataset_loader`` for :func:`arealite.launcher.rl_loop.run_rl`: ``path ==
+    """A ``dataset_loader`` for :func:`arealite.trainer.rl_loop.run_rl`: ``path ==
     "multiplication"`` gives this task (``size`` default 2000 train / 200 test); any other path
     goes to :func:`arealite.dataset.math_data.load_dataset`. ``instruction``: appended to each
     question (None = :data:`INSTRUCTION`)."""

@@ -330,7 +330,7 @@ def wait_addresses(paths: list[str], timeout: float, alive: Callable[[], str | N
         TimeoutError: not all servers were healthy within ``timeout`` s (names the missing ones).
         RuntimeError: ``alive()`` reported a dead server.
     """
-    from arealite.engine.remote import ServerError, post_json
+    from arealite.inference.remote import ServerError, post_json
 
     deadline = time.monotonic() + timeout
     ready: dict[str, str] = {}

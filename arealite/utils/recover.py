@@ -29,7 +29,7 @@ a later step, which belong to an abandoned earlier run) are deleted.
 is loaded by the same number of ranks that wrote it (the per-rank data positions are not
 re-shardable); the model and optimizer shards themselves could be resharded by DCP.
 
-Typical use (see :mod:`arealite.launcher.rl_loop` and ``tests/dist/resume_train.py``)::
+Typical use (see :mod:`arealite.trainer.rl_loop` and ``tests/dist/resume_train.py``)::
 
     path = resolve_checkpoint(config.recover, root)          # cheap; errors before heavy work
     engine.initialize(...)

@@ -16,7 +16,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from arealite.agent.proxy_workflow import ProxyAgentWorkflow
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import ProxyAgentGRPOConfig
-from arealite.launcher.rl_loop import main
+from arealite.trainer.rl_loop import main
 from arealite.reward.math import math_reward
 
 

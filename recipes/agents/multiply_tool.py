@@ -23,7 +23,7 @@ from arealite.algorithms.grpo import GRPO
 from arealite.api.cli import load_config
 from arealite.api.config import ProxyAgentGRPOConfig
 from arealite.dataset.multiplication import load_multiplication, multiplication_reward
-from arealite.launcher.rl_loop import run_rl
+from arealite.trainer.rl_loop import run_rl
 from arealite.sandbox import SandboxConfig, arun_python
 from arealite.workflow.tool_agent import extract_code
 
@@ -65,7 +65,7 @@ def build(config: ProxyAgentGRPOConfig, tokenizer, dump_dir, agent=tool_agent) -
 
 def evaluate(config: ProxyAgentGRPOConfig, tool: bool = True) -> dict:
     """Greedy held-out success of ``config.actor.path`` on ``valid_dataset`` (one local server)."""
-    from arealite.engine.remote import RemoteInferenceEngine
+    from arealite.inference.remote import RemoteInferenceEngine
     from arealite.launcher.local import launch_servers
     from arealite.utils.hf import load_tokenizer, resolve_model_path
 

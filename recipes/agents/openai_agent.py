@@ -47,6 +47,6 @@ if __name__ == "__main__":
     else:
         from arealite.algorithms.grpo import GRPO
         from arealite.api.config import ProxyAgentGRPOConfig
-        from arealite.launcher.rl_loop import main
+        from arealite.trainer.rl_loop import main
 
         main(ProxyAgentGRPOConfig, GRPO.from_config, build, sys.argv[1:])

@@ -20,7 +20,7 @@ from arealite.algorithms.grpo import GRPO
 from arealite.api.cli import load_config
 from arealite.api.config import ProxyAgentGRPOConfig
 from arealite.dataset.multiplication import load_multiplication, multiplication_reward
-from arealite.launcher.rl_loop import run_rl
+from arealite.trainer.rl_loop import run_rl
 
 set_tracing_disabled(True)  # no trace upload: the machine is offline
 

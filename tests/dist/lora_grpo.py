@@ -31,10 +31,10 @@ import arealite.utils.recover as recover
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import (GRPOAlgoConfig, InferenceEngineConfig, LoRAConfig, MicroBatchSpec, OptimizerConfig,
                                  RecoverConfig, TrainEngineConfig)
-from arealite.engine.fsdp import FSDPEngine, init_distributed
-from arealite.engine.lora import LoRAReference, trainable_state
-from arealite.engine.remote import RemoteInferenceEngine, post_json
-from arealite.launcher.weight_update import sync_weights
+from arealite.train_engine.fsdp import FSDPEngine, init_distributed
+from arealite.train_engine.lora import LoRAReference, trainable_state
+from arealite.inference.remote import RemoteInferenceEngine, post_json
+from arealite.trainer.weight_update import sync_weights
 
 PROMPT = [1, 17, 300, 4000, 25, 9]
 TEMPERATURE = 0.7

@@ -31,7 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import arealite.utils.recover as recover
 from arealite.api.config import OptimizerConfig, RecoverConfig, TrainEngineConfig
 from arealite.dataset.loader import EpochLoader
-from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.train_engine.fsdp import FSDPEngine, init_distributed
 from arealite.utils.data import pad_and_stack
 
 N_ROWS, ROWS_PER_RANK = 24, 4

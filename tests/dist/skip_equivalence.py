@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from arealite.algorithms.grpo import GRPO
 from arealite.algorithms.gspo import GSPO
 from arealite.api.config import GRPOAlgoConfig, GSPOAlgoConfig, OptimizerConfig, TrainEngineConfig
-from arealite.engine.fsdp import FSDPEngine, init_distributed
+from arealite.train_engine.fsdp import FSDPEngine, init_distributed
 
 TEMPERATURE = 0.7
 GROUP = 4

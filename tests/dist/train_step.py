@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-from arealite.engine.fsdp import FSDPCriticEngine, FSDPEngine, init_distributed
+from arealite.train_engine.fsdp import FSDPCriticEngine, FSDPEngine, init_distributed
 
 # (max_tokens_per_mb, packing): 162 real tokens → 1 micro-batch at 10_000, 4 at 41 (1 rank)
 SETTINGS = [(10_000, True), (41, True), (10_000, False), (41, False)]

@@ -1,6 +1,6 @@
 """The supervised training loop (SFT, offline DPO): batches from a fixed dataset, no rollouts.
 
-    from arealite.launcher.offline_loop import run_offline
+    from arealite.trainer.offline_loop import run_offline
     model_path, tokenizer, recover_path = prepare_offline(config, rank)
     run_offline(config, model_path, recover_path, train_rows, collate, build_algorithm, evaluate)
 
@@ -24,7 +24,7 @@ import yaml
 
 from arealite.api.cli import to_dict, validate_config
 from arealite.dataset.loader import EpochLoader, make_dataloader
-from arealite.engine.fsdp import FSDPEngine
+from arealite.train_engine.fsdp import FSDPEngine
 from arealite.utils.hf import load_tokenizer, resolve_model_path
 from arealite.utils.recover import load_checkpoint, resolve_checkpoint, save_checkpoint, should_save
 from arealite.utils.stats_logger import StatsLogger

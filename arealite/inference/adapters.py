@@ -1,8 +1,8 @@
 """Request/response adapters of the inference client, one per server protocol: SGLang's
-(SGLang itself and our server, :mod:`arealite.engine.server`) and vLLM's OpenAI API plus our
-worker extension (:mod:`arealite.engine.vllm_ext`) for weight updates. Each maps a generation
+(SGLang itself and our server, :mod:`arealite.server`) and vLLM's OpenAI API plus our
+worker extension (:mod:`arealite.server.vllm_ext`) for weight updates. Each maps a generation
 request, its reply, and the weight-update calls of :mod:`arealite.api.weight_update` onto the
-server's endpoints; :class:`~arealite.engine.remote.RemoteInferenceEngine` picks one by
+server's endpoints; :class:`~arealite.inference.remote.RemoteInferenceEngine` picks one by
 ``rollout.backend``.
 """
 
@@ -25,9 +25,9 @@ class ServerTimeoutError(ServerError, TimeoutError):
 
 
 class SGLangAdapter:
-    """SGLang's ``/generate`` protocol (also spoken by :mod:`arealite.engine.server`).
+    """SGLang's ``/generate`` protocol (also spoken by :mod:`arealite.server`).
 
-    Reference: ``../shared/reference/inference-protocols.md`` §1.
+    Reference: SGLang's native API, <https://docs.sglang.ai/basic_usage/native_api.html>.
     """
 
     name = "sglang"
@@ -65,8 +65,8 @@ class SGLangAdapter:
     def disk_update(path: str, version: int) -> tuple[str, dict]:
         return UPDATE_FROM_DISK_ENDPOINT, DiskUpdate(path, version, abort_all_requests=True).to_json()
 
-    # Distributed weight updates (``inference-protocols.md`` §1.4): ``(endpoint, body)`` pairs
-    # for :func:`post_control`, used by :mod:`arealite.engine.weight_sync`.
+    # Distributed weight updates (SGLang's ``/init_weights_update_group`` family): ``(endpoint, body)`` pairs
+    # for :func:`post_control`, used by :mod:`arealite.weights.sync`.
     @staticmethod
     def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
                            group_name: str, backend: str) -> tuple[str, dict]:
@@ -96,7 +96,7 @@ class SGLangAdapter:
 
 
 class VLLMAdapter:
-    """vLLM's OpenAI ``/v1/completions`` with token-id prompts (``inference-protocols.md`` §2).
+    """vLLM's OpenAI ``/v1/completions`` with token-id prompts (vLLM's OpenAI-compatible server, <https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html>).
 
     Logprobs: vLLM reports pre-temperature logprobs unless it runs with
     ``--logprobs-mode processed_logprobs``, which the launcher passes
@@ -106,12 +106,12 @@ class VLLMAdapter:
 
     Weight updates (disk and distributed) go through vLLM's ``POST /collective_rpc``
     ``{"method", "kwargs"}`` (mounted when the server runs with ``VLLM_SERVER_DEV_MODE=1``) into
-    our worker extension :class:`arealite.engine.vllm_ext.WeightUpdateExtension` (loaded with
+    our worker extension :class:`arealite.server.vllm_ext.WeightUpdateExtension` (loaded with
     ``--worker-extension-cls``); the reply ``{"results": [one dict per worker]}`` is turned into
     SGLang's ``{"success", "message"}`` by :meth:`control_reply`. The launcher sets both.
     """
 
-    worker_extension = "arealite.engine.vllm_ext.WeightUpdateExtension"  # --worker-extension-cls
+    worker_extension = "arealite.server.vllm_ext.WeightUpdateExtension"  # --worker-extension-cls
     server_env = {"VLLM_SERVER_DEV_MODE": "1"}  # mounts /collective_rpc
 
     name = "vllm"

@@ -1,6 +1,6 @@
 """The server's scheduler: the one thread that owns the model and runs continuous batching
 (packed prefill, batched decode, prefix sharing, weight loads between steps), driven by the
-typed messages of :mod:`arealite.engine.server.messages`.
+typed messages of :mod:`arealite.server.messages`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import time
 import torch
 
 from arealite.api import weight_update
-from arealite.engine.server.kv_cache import (ATTN_IMPLEMENTATION, PrefixStore, SlotKVCache, attention_step,
+from arealite.server.kv_cache import (ATTN_IMPLEMENTATION, PrefixStore, SlotKVCache, attention_step,
                                              register_attention)
-from arealite.engine.server.messages import (Abort, Envelope, Generate, LoadFromDisk, LoadTensors, Message,
+from arealite.server.messages import (Abort, Envelope, Generate, LoadFromDisk, LoadTensors, Message,
                                              Pause, Request, SetThreads)
-from arealite.engine.server.protocol import ABORT_BEFORE_PREFILL, ABORT_BY_PAUSE, SamplingParams, error_body
-from arealite.engine.server.sampling import sample_next_tokens
-from arealite.engine.server.weights import load_named_tensors, load_weights_from_disk
+from arealite.server.protocol import ABORT_BEFORE_PREFILL, ABORT_BY_PAUSE, SamplingParams, error_body
+from arealite.server.sampling import sample_next_tokens
+from arealite.server.weights import load_named_tensors, load_weights_from_disk
 
 logger = logging.getLogger("arealite.server")
 

@@ -21,7 +21,7 @@
   the global batch however it is split (FSDP2 averages gradients over ranks, so the local
   loss is multiplied by the world size before backward).
 * LM head: logprobs and entropy come from the final hidden states in chunks of
-  ``mb_spec.logits_chunk_size`` tokens (:mod:`arealite.engine.lm_head`); fp32 logits of all
+  ``mb_spec.logits_chunk_size`` tokens (:mod:`arealite.train_engine.lm_head`); fp32 logits of all
   tokens are never materialised. It runs inside the root module's FSDP forward
   (``register_fsdp_forward_method``), so tied embeddings keep working.
 * Logprobs: token-aligned, float32, under the generation temperature — the same convention as
@@ -32,7 +32,7 @@
   or gradient norm skips the update (parameters and optimizer state untouched);
   ``optimizer.max_consecutive_skips`` skips in a row raise.
 * LoRA (``lora.rank > 0``): PEFT adapters are injected before sharding and only they train
-  (:mod:`arealite.engine.lora`: reference = adapters disabled, adapter/merged saving, sync).
+  (:mod:`arealite.train_engine.lora`: reference = adapters disabled, adapter/merged saving, sync).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from arealite.api.cli import check_section
 from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
-from arealite.engine import lora
-from arealite.engine.lm_head import chunked_logprobs_entropy
-from arealite.engine.packing import (pack_sequences, packed_layout, prompt_units, shared_prompt_layout,
+from arealite.train_engine import lora
+from arealite.train_engine.lm_head import chunked_logprobs_entropy
+from arealite.train_engine.packing import (pack_sequences, packed_layout, prompt_units, shared_prompt_layout,
                                      split_microbatches, unit_length)
 from arealite.utils import trace
 from arealite.utils.data import trim_padding
@@ -146,7 +146,7 @@ class FSDPEngine(TrainEngine):
         self.optimizer = None
         self.lr_scheduler = None
         self.tokenizer = None
-        self.peft = None  # the PeftModel wrapper when config.lora.rank > 0 (arealite.engine.lora)
+        self.peft = None  # the PeftModel wrapper when config.lora.rank > 0 (arealite.train_engine.lora)
         self._consecutive_skips = 0
         self.n_skipped_steps = 0  # total optimizer steps skipped for a non-finite loss/grad norm
 
@@ -422,7 +422,7 @@ class FSDPEngine(TrainEngine):
     def save(self, path: str) -> None:
         """HF folder: config, safetensors, generation config, tokenizer. Collective. LoRA: the
         PEFT adapter folder ``path/adapter`` plus, with ``lora.merged_final``, the merged model
-        in ``path`` (:func:`arealite.engine.lora.save`)."""
+        in ``path`` (:func:`arealite.train_engine.lora.save`)."""
         if self.peft is not None:
             return lora.save(self, path, merged=self.config.lora.merged_final)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

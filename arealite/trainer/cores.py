@@ -54,7 +54,7 @@ class CoreSharing:
         base: threads while generation runs (the static split; ≥ 1).
         extra: cores the servers leave when idle (≥ 0; 0 disables switching).
         busy: returns True while a generation request of this rank is in flight (e.g.
-            :meth:`arealite.engine.remote.RemoteInferenceEngine.requests_in_flight` > 0); called
+            :meth:`arealite.inference.remote.RemoteInferenceEngine.requests_in_flight` > 0); called
             from the training thread, so it must be cheap and thread-safe to read.
         idle_s: seconds ``busy`` must stay False before the extra threads are taken, and
             seconds a :meth:`waiting` block lasts before the trainer's threads are lent [s].

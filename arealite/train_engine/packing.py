@@ -1,4 +1,4 @@
-"""Micro-batch layout for the train engines (:mod:`arealite.engine.fsdp`): balanced
+"""Micro-batch layout for the train engines (:mod:`arealite.train_engine.fsdp`): balanced
 micro-batches, first-fit-decreasing packing of sequences into rows, and prefix sharing (rows with
 the same prompt run it once, :func:`shared_prompt_layout`). Pure tensor/index bookkeeping: no
 model and no process group."""

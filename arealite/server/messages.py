@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from arealite.engine.server.protocol import SamplingParams
+from arealite.server.protocol import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class LoadFromDisk:
     """Load the safetensors of folder ``model_path``; with ``abort_all_requests`` first abort
     everything in flight. Resolves to ``(HTTP status, body)``: 200 with
     :func:`~arealite.api.weight_update.reply` (plus ``num_paused_requests``), or 400 with
-    :func:`~arealite.engine.server.protocol.error_body` and the old weights kept."""
+    :func:`~arealite.server.protocol.error_body` and the old weights kept."""
 
     model_path: str
     weight_version: int | None = None

@@ -2,8 +2,8 @@
 
 Every training loop calls :func:`sync_weights` after each optimizer step (collective over the
 trainer ranks). The trainer engine only saves an HF folder or exposes its parameters; the HTTP
-side lives in the inference client (:class:`~arealite.engine.remote.RemoteInferenceEngine`) and
-in the distributed push (:func:`arealite.engine.weight_sync.broadcast_weights`).
+side lives in the inference client (:class:`~arealite.inference.remote.RemoteInferenceEngine`) and
+in the distributed push (:func:`arealite.weights.sync.broadcast_weights`).
 
 Order (``rollout.weight_sync``: disk | distributed):
 
@@ -12,14 +12,14 @@ Order (``rollout.weight_sync``: disk | distributed):
    resubmits them; the paused servers hold them) — ``pause_generation``;
 3. every rank: push — disk: ``actor.save(meta.path)``; distributed: broadcast the full tensors
    bucket by bucket to the servers of ``meta.addresses`` (a LoRA actor: only the adapters to
-   our server, the merged weights to vLLM/SGLang; :mod:`arealite.engine.lora`);
+   our server, the merged weights to vLLM/SGLang; :mod:`arealite.train_engine.lora`);
 4. rank 0: the servers load (disk) or confirm (distributed) ``meta.version``;
 5. every rank, after a barrier: the inference engine records the new version (the one owner of
    the version on the trainer side; the executor's staleness rule reads it) — before the servers
    continue, so that a reply without a version of its own (vLLM) is never tagged with the old one;
 6. rank 0, after a barrier: the servers continue; every rank: the executor resumes.
 
-A distributed push that fails raises :class:`~arealite.engine.weight_sync.WeightSyncError` on
+A distributed push that fails raises :class:`~arealite.weights.sync.WeightSyncError` on
 every rank; the servers it names as dead or hung are excluded for good and the push is retried
 once with the others. A second failure (e.g. no server left) raises.
 """
@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from arealite.api.engine import InferenceEngine, TrainEngine
 from arealite.api.io_struct import WeightUpdateMeta
-from arealite.engine import lora
-from arealite.engine.adapters import ADAPTERS
-from arealite.engine.weight_sync import WeightSyncError, broadcast_weights
+from arealite.train_engine import lora
+from arealite.inference.adapters import ADAPTERS
+from arealite.weights.sync import WeightSyncError, broadcast_weights
 from arealite.rollout.executor import WorkflowExecutor
 
 

@@ -14,7 +14,7 @@
   (``PeftModel.disable_adapter``) — the base weights, no second copy.
 * Weight sync (:func:`sync_specs` / :func:`sync_tensors`): to our server only the adapters, as
   ``{module}.lora_A.weight`` (A) and ``{module}.lora_B.weight`` (s · B, the scale folded in);
-  the server merges them into its kept copy of ``W0`` (:mod:`arealite.engine.server.weights`).
+  the server merges them into its kept copy of ``W0`` (:mod:`arealite.server.weights`).
   To vLLM/SGLang the merged full weights under the HF names.
 * Saving (:func:`save`): ``path/adapter/`` is a PEFT adapter folder
   (``PeftModel.from_pretrained(base, path/adapter)``), and with ``lora.merged_final`` ``path/``
@@ -114,7 +114,7 @@ class LoRAReference:
     (``PeftModel.disable_adapter``), i.e. the base weights; no second copy of them.
 
     ``forward(batch)`` → token-aligned logprobs [B, T] float32 (CPU) under the actor's
-    temperature, like a frozen :class:`~arealite.engine.fsdp.FSDPEngine` (collective).
+    temperature, like a frozen :class:`~arealite.train_engine.fsdp.FSDPEngine` (collective).
     """
 
     def __init__(self, actor):

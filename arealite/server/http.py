@@ -1,6 +1,6 @@
 """The server's HTTP layer: the aiohttp app and one handler per SGLang endpoint. Handlers parse
 and validate in the event-loop thread, hand model work to the :class:`Scheduler` thread as typed
-messages, and answer errors in the one shape of :func:`~arealite.engine.server.protocol.error_body`.
+messages, and answer errors in the one shape of :func:`~arealite.server.protocol.error_body`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from aiohttp import web
 
 from arealite.api.weight_update import (DEFAULT_GROUP_NAME, DiskUpdate, InitGroup, ProtocolError, UpdateBucket,
                                         parse_destroy_group, reply)
-from arealite.engine.server.messages import Abort, Generate, LoadFromDisk, LoadTensors, Pause, SetThreads
-from arealite.engine.server.protocol import error_body, is_int, parse_generate_request
-from arealite.engine.server.scheduler import Scheduler
-from arealite.engine.server.weights import WeightGroups
+from arealite.server.messages import Abort, Generate, LoadFromDisk, LoadTensors, Pause, SetThreads
+from arealite.server.protocol import error_body, is_int, parse_generate_request
+from arealite.server.scheduler import Scheduler
+from arealite.server.weights import WeightGroups
 
 
 def _error(message: str, field_name: str = "", status: int = 400) -> web.Response:
-    """Every error reply: :func:`~arealite.engine.server.protocol.error_body` with ``status``."""
+    """Every error reply: :func:`~arealite.server.protocol.error_body` with ``status``."""
     return web.json_response(error_body(message, field_name), status=status)
 
 
@@ -145,7 +145,7 @@ class Server:
     async def set_num_threads(self, request: web.Request) -> web.Response:
         """``POST /set_num_threads`` ``{"num_threads": int >= 1}`` (ours; not in SGLang): the
         model's torch intra-op threads from the next scheduler iteration on. Core sharing
-        (:mod:`arealite.launcher.cores`) lends the trainer's cores to the server this way
+        (:mod:`arealite.trainer.cores`) lends the trainer's cores to the server this way
         while the trainer waits for generation. Replies once applied: ``{"status": "ok",
         "num_threads": n, "previous": p}`` (``n`` read back on the scheduler thread); 400 for a
         missing or non-positive count."""

@@ -1,7 +1,9 @@
 """Client for servers speaking SGLang's HTTP protocol (SGLang itself or our
-:mod:`arealite.engine.server`) or vLLM's: an :class:`~arealite.api.engine.InferenceEngine`.
+:mod:`arealite.server`) or vLLM's: an :class:`~arealite.api.engine.InferenceEngine`.
 
-Protocol subset: ``../shared/reference/inference-protocols.md`` §1 and §3.
+Protocol subset: SGLang's native API, <https://docs.sglang.ai/basic_usage/native_api.html>
+(``/generate``, ``/health``, ``/abort_request``, weight updates) and vLLM's OpenAI-compatible
+server, <https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html>.
 
 * ``agenerate`` posts ``/generate`` with ``input_ids``, ``sampling_params`` and
   ``return_logprob=true``, and reads ``meta_info.output_token_logprobs`` (``[logprob, id, _]``
@@ -57,7 +59,7 @@ _RID_CACHE_SIZE = 1024
 DEAD_SERVER_COOLDOWN = 30.0  # [s] a failed server gets no new requests for this long
 
 
-from arealite.engine.adapters import ADAPTERS, SGLangAdapter, ServerError, ServerTimeoutError, VLLMAdapter  # noqa: F401
+from arealite.inference.adapters import ADAPTERS, SGLangAdapter, ServerError, ServerTimeoutError, VLLMAdapter  # noqa: F401
 
 
 def post_json(address: str, endpoint: str, payload: dict | None = None, timeout: float = 60.0,
@@ -170,7 +172,7 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def requests_in_flight(self) -> int:
         """Generation calls of this client now waiting on a server (all event loops; a plain read
-        of per-server counters, safe from any thread). Core sharing (:mod:`arealite.launcher.cores`)
+        of per-server counters, safe from any thread). Core sharing (:mod:`arealite.trainer.cores`)
         gives the trainer the servers' cores while this is 0."""
         return sum(self._outstanding.values())
 
@@ -191,7 +193,7 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def exclude_servers(self, addrs, reason: str) -> None:
         """Mark ``addrs`` dead and exclude them for good (no generation, control calls or weight
-        updates any more), e.g. the ``err.failed`` of a :class:`~arealite.engine.weight_sync.WeightSyncError`:
+        updates any more), e.g. the ``err.failed`` of a :class:`~arealite.weights.sync.WeightSyncError`:
         a server that missed a weight update holds stale or mixed weights."""
         for a in addrs:
             if a not in self._dead_until:
@@ -389,7 +391,7 @@ class RemoteInferenceEngine(InferenceEngine):
     def set_server_threads(self, num_threads: int) -> bool:
         """Every live server runs the model with ``num_threads`` torch intra-op threads from its
         next scheduler iteration on (our server's ``POST /set_num_threads``; returns once
-        applied, at most one iteration later). Core sharing (:mod:`arealite.launcher.cores`)
+        applied, at most one iteration later). Core sharing (:mod:`arealite.trainer.cores`)
         lends the trainer's cores this way while the trainer waits for generation.
 
         Returns:
@@ -415,7 +417,7 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def weight_update_meta(self, path: str, version: int) -> WeightUpdateMeta:
         """The :class:`WeightUpdateMeta` for this config (``rollout.weight_sync``): the trainer
-        passes it to ``push_weights`` (all ranks, :mod:`arealite.launcher.weight_update`) and rank 0
+        passes it to ``push_weights`` (all ranks, :mod:`arealite.trainer.weight_update`) and rank 0
         to :meth:`update_weights`.
 
         ``addresses``: the servers not excluded (:meth:`exclude_servers`, or a failed pause or

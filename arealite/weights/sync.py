@@ -1,6 +1,7 @@
 """Distributed weight sync: the trainer broadcasts parameters to inference servers in buckets.
 
-Protocol (SGLang's, ``../shared/reference/inference-protocols.md`` §1.4 and §6.3):
+Protocol (SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed``,
+<https://docs.sglang.ai/basic_usage/native_api.html>):
 
 1. Once: every server gets ``POST /init_weights_update_group`` ``{master_address, master_port,
    rank_offset, world_size, group_name, backend}`` and joins a process group of
@@ -44,10 +45,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from arealite.api.weight_update import DEFAULT_GROUP_NAME, UpdateBucket, dtype_name, parse_dtype  # noqa: F401 (old import path of the dtype helpers)
-from arealite.engine.adapters import SGLangAdapter, ServerError
-from arealite.engine.remote import post_control, post_json
-from arealite.engine.weight_group import WeightUpdateGroup, broadcast_tensor, new_weight_update_group
+from arealite.api.weight_update import DEFAULT_GROUP_NAME, UpdateBucket
+from arealite.inference.adapters import SGLangAdapter, ServerError
+from arealite.inference.remote import post_control, post_json
+from arealite.weights.group import WeightUpdateGroup, broadcast_tensor, new_weight_update_group
 
 logger = logging.getLogger("arealite.weight_sync")
 HEALTH_PROBE_TIMEOUT = 5.0  # [s] a server that does not answer GET /health within this failed
@@ -314,7 +315,7 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
         source: what to send instead of ``model.named_parameters()``: ``(specs, tensors)`` with
             ``specs`` a list of ``(name, shape, dtype)`` and ``tensors`` an iterable of
             ``(name, full tensor)`` in the same order (collective on every rank), e.g. a LoRA
-            actor's adapters (:func:`arealite.engine.lora.sync_tensors`).
+            actor's adapters (:func:`arealite.train_engine.lora.sync_tensors`).
 
     Returns: ``{"n_buckets", "n_tensors", "bytes", "seconds"}`` (rank 0; zeros elsewhere).
 

@@ -1,8 +1,8 @@
 """The torch.distributed side of weight updates: a standalone process group between the trainer
 (rank 0) and the inference-server ranks, and the broadcast of one tensor over it.
 
-Shared by the trainer (:mod:`arealite.engine.weight_sync`), our server
-(:mod:`arealite.engine.server`) and the vLLM worker extension (:mod:`arealite.engine.vllm_ext`).
+Shared by the trainer (:mod:`arealite.weights.sync`), our server
+(:mod:`arealite.server`) and the vLLM worker extension (:mod:`arealite.server.vllm_ext`).
 The group is *separate* from the trainer's default group: its own ``TCPStore`` (hosted by rank 0)
 and a ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) built on it, so the servers never
 see the FSDP ranks. Imports only torch and :mod:`arealite.api.weight_update`: it runs inside

@@ -1,6 +1,6 @@
 """The asynchronous RL training loop that every RL recipe runs, written out top to bottom.
 
-    from arealite.launcher.rl_loop import run_rl
+    from arealite.trainer.rl_loop import run_rl
     run_rl(config, build_algorithm, build_workflow)
 
 A recipe supplies two builders (``recipes/grpo_math.py`` is the model to copy):
@@ -13,7 +13,7 @@ A recipe supplies two builders (``recipes/grpo_math.py`` is the model to copy):
 
 Per step: take a batch of finished rollouts (generated asynchronously, at most
 ``rollout.max_head_offpolicyness`` versions old) → ``algorithm.update`` → push the new weights
-to the inference servers (:func:`arealite.launcher.weight_update.sync_weights`) → log. The same
+to the inference servers (:func:`arealite.trainer.weight_update.sync_weights`) → log. The same
 loop gives every recipe recover checkpoints (``--recover.freq_steps N``, ``--recover.mode
 auto``), DAPO dynamic sampling (``--algo.dynamic_sampling True``), saving (``saver.freq_steps``),
 evaluation at the start and end (``evaluator.*``) and logging (``stats.jsonl``, tensorboard).
@@ -43,13 +43,13 @@ from arealite.api.config import GenerationConfig
 from arealite.api.workflow import RolloutWorkflow
 from arealite.dataset.loader import EpochLoader, load_rows, make_dataloader
 from arealite.dataset.math_data import load_dataset
-from arealite.engine.fsdp import FSDPEngine, init_distributed
-from arealite.engine.lora import LoRAReference
+from arealite.train_engine.fsdp import FSDPEngine, init_distributed
+from arealite.train_engine.lora import LoRAReference
 from arealite.evaluate import BackgroundEvaluator, aevaluate_samples
 from arealite.report import write_report
-from arealite.launcher.cores import core_sharing_for
+from arealite.trainer.cores import core_sharing_for
 from arealite.launcher.local import make_inference_engine, trainer_threads
-from arealite.launcher.weight_update import sync_weights
+from arealite.trainer.weight_update import sync_weights
 from arealite.rollout.executor import WorkflowExecutor
 from arealite.utils.hf import load_tokenizer, resolve_model_path
 from arealite.utils.recover import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint, should_save

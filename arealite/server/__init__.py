@@ -6,7 +6,7 @@ SGLang launched with ``--skip-tokenizer-init``; the model folder needs no tokeni
 
 Run::
 
-    python -m arealite.engine.server --model-path DIR --host 127.0.0.1 --port 30000 \
+    python -m arealite.server --model-path DIR --host 127.0.0.1 --port 30000 \
         --num-threads 1 --max-batch-size 64 --dtype float32 --seed 1 [--weight-version 0]
 
 Implemented subset of SGLang's protocol (JSON in, JSON out):
@@ -23,7 +23,7 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
 - ``POST /update_weights_from_disk`` (safetensors, applied between decode steps).
 - ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
   ``POST /destroy_weights_update_group``: weights broadcast by the trainer (gloo on CPU, NCCL on
-  GPU), see :mod:`arealite.engine.weight_sync`; request bodies in :mod:`arealite.api.weight_update`.
+  GPU), see :mod:`arealite.weights.sync`; request bodies in :mod:`arealite.api.weight_update`.
 
 Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA, input logprobs,
 tensor parallelism, sliding-window attention (refused at start-up), sharing KV blocks in
@@ -44,14 +44,14 @@ positions, so a row computes what it would compute alone (up to float rounding).
 
 Modules, one concern each:
 
-- :mod:`~arealite.engine.server.protocol`: ``/generate`` parsing (``SamplingParams``,
+- :mod:`~arealite.server.protocol`: ``/generate`` parsing (``SamplingParams``,
   ``RequestError``), abort reasons, the one error-reply body;
-- :mod:`~arealite.engine.server.sampling`: next-token sampling (temperature, top-k, top-p);
-- :mod:`~arealite.engine.server.weights`: loads from disk and from received buckets, the
+- :mod:`~arealite.server.sampling`: next-token sampling (temperature, top-k, top-p);
+- :mod:`~arealite.server.weights`: loads from disk and from received buckets, the
   weight-update groups;
-- :mod:`~arealite.engine.server.kv_cache`: ``SlotKVCache``, ``PrefixStore``, ``slot_attention``;
-- :mod:`~arealite.engine.server.messages`: the typed messages HTTP thread -> scheduler thread;
-- :mod:`~arealite.engine.server.scheduler`: ``Scheduler`` (continuous batching);
-- :mod:`~arealite.engine.server.http`: the aiohttp app and handlers;
+- :mod:`~arealite.server.kv_cache`: ``SlotKVCache``, ``PrefixStore``, ``slot_attention``;
+- :mod:`~arealite.server.messages`: the typed messages HTTP thread -> scheduler thread;
+- :mod:`~arealite.server.scheduler`: ``Scheduler`` (continuous batching);
+- :mod:`~arealite.server.http`: the aiohttp app and handlers;
 - ``__main__``: command-line arguments and ``main``.
 """
