@@ -12,6 +12,13 @@ from arealite.api.io_struct import ModelResponse
 from arealite.workflow.rlvr import build_trajectories
 
 
+def _ppo_token_mean(logp, prox, behav, adv, mask, **kw):
+    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default
+    aggregation): (scalar loss, stats of :func:`F.ppo_loss_per_token`)."""
+    loss, _, stats = F.ppo_loss_per_token(logp - prox, prox, behav, adv, mask, **kw)
+    return F.agg_loss(loss, mask, "token-mean"), stats
+
+
 def test_group_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
     adv = F.group_normalize(rewards, group_size=4, use_std=True, eps=0.0)
@@ -86,7 +93,7 @@ def test_ppo_loss_hand_computed_with_clipping():
     prox = torch.tensor([[0.0, math.log(0.4), math.log(0.4)]])
     adv = torch.tensor([[0.0, 1.0, -1.0]])
     mask = torch.tensor([[0, 1, 1]])
-    loss, stats = F.ppo_actor_loss(logp, prox, prox, adv, mask, eps_clip=0.2)
+    loss, stats = _ppo_token_mean(logp, prox, prox, adv, mask, eps_clip=0.2)
     # token1: r=1.5, A=1 -> max(-1.5, -1.2) = -1.2 (clipped); token2: r=0.5, A=-1 -> max(0.5, 0.8) = 0.8
     assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, abs=1e-6)
     assert stats["clip_frac"].item() == pytest.approx(1.0)
@@ -98,7 +105,7 @@ def test_ppo_loss_hand_computed_with_clipping():
 def test_on_policy_ratio_is_one_and_clip_frac_zero():
     logp = torch.log(torch.tensor([[0.5, 0.3, 0.9]])).requires_grad_()
     adv = torch.tensor([[2.0, 2.0, 2.0]])
-    loss, stats = F.ppo_actor_loss(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3))
+    loss, stats = _ppo_token_mean(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3))
     assert loss.item() == pytest.approx(-2.0)
     assert stats["clip_frac"].item() == 0.0
     loss.backward()
@@ -110,7 +117,7 @@ def test_decoupled_weight_and_cap():
     prox = torch.log(torch.tensor([[0.5, 0.5]]))
     behav = torch.log(torch.tensor([[0.25, 0.05]]))  # weights 2 and 10
     adv = torch.tensor([[1.0, 1.0]])
-    loss, stats = F.ppo_actor_loss(logp, prox, behav, adv, torch.ones(1, 2), behav_imp_weight_cap=5.0)
+    loss, stats = _ppo_token_mean(logp, prox, behav, adv, torch.ones(1, 2), behav_imp_weight_cap=5.0)
     # token 2 dropped by the cap (a zero-loss token); token 1: w=2, r=1 -> -2; mean over 2 loss tokens
     assert loss.item() == pytest.approx(-1.0)
     assert stats["masked_by_cap"].item() == 1.0
@@ -119,14 +126,14 @@ def test_decoupled_weight_and_cap():
 def test_asymmetric_clip_higher():
     logp = torch.log(torch.tensor([[0.65]]))
     prox = torch.log(torch.tensor([[0.5]]))  # r = 1.3
-    loss, _ = F.ppo_actor_loss(logp, prox, prox, torch.ones(1, 1), torch.ones(1, 1), eps_clip=0.2, eps_clip_high=0.28)
+    loss, _ = _ppo_token_mean(logp, prox, prox, torch.ones(1, 1), torch.ones(1, 1), eps_clip=0.2, eps_clip_high=0.28)
     assert loss.item() == pytest.approx(-1.28, abs=1e-6)
 
 
 def test_k3_kl_is_finite_at_extreme_log_ratios():
     logp = torch.tensor([-100.0, 0.0, -1e-3], requires_grad=True)
     ref = torch.tensor([0.0, -100.0, -1e-3])
-    kl = F.kl_k3(logp, ref)
+    kl = F.kl_estimate(logp, ref, "k3")
     assert torch.isfinite(kl).all() and kl[2].item() == pytest.approx(0.0, abs=1e-9)
     kl.sum().backward()
     assert torch.isfinite(logp.grad).all()
@@ -230,8 +237,8 @@ def test_new_grpo_options_default_to_the_original_objective():
         [1.0, 0.0]))
     algo._mb_stats = []
     cur = batch["logprobs"] + torch.tensor([[0.0, 0.1, 2.0], [0.0, -0.2, 0.0]])
-    expected, _ = F.ppo_actor_loss(cur, batch["prox_logp"], batch["logprobs"], batch["advantages"],
-                                   batch["loss_mask"], 0.2, None, 5.0)
-    expected = expected + 0.1 * F.masked_mean(F.kl_k3(cur, batch["ref_logp"]), batch["loss_mask"])
+    expected, _ = _ppo_token_mean(cur, batch["prox_logp"], batch["logprobs"], batch["advantages"],
+                                  batch["loss_mask"], eps_clip=0.2, behav_imp_weight_cap=5.0)
+    expected = expected + 0.1 * F.masked_mean(F.kl_estimate(cur, batch["ref_logp"], "k3"), batch["loss_mask"])
     assert torch.equal(algo.loss_fn(cur, batch), expected)
     assert algo.loss_weight_fn(batch) == 3.0

@@ -412,11 +412,6 @@ def kl_estimate(
     raise ValueError(f"algo.kl_estimator: unknown {kind!r}; choose one of {KL_ESTIMATORS}")
 
 
-def kl_k3(logprobs: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(π_θ || π_ref), see :func:`kl_estimate`. Shapes: [B, T] → [B, T]."""
-    return kl_estimate(logprobs, ref_logp, "k3")
-
-
 # --------------------------------------------------------------------------------------------
 # Policy losses
 # --------------------------------------------------------------------------------------------
@@ -511,35 +506,3 @@ def ppo_loss_per_token(
             "masked_by_cap": capped.float().sum(),
         }
     return loss, kept, stats
-
-
-def ppo_actor_loss(
-    logprobs: torch.Tensor,
-    prox_logp: torch.Tensor,
-    behav_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    eps_clip: float = 0.2,
-    eps_clip_high: float | None = None,
-    behav_imp_weight_cap: float | None = None,
-    c_clip: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decoupled PPO clipped surrogate, token-mean over ``loss_mask`` (AReaL Eq. 5;
-    :func:`ppo_loss_per_token` with ``log_ratio = logprobs - prox_logp``). Tokens dropped by the
-    behaviour-weight cap count as zero-loss tokens, as in :class:`arealite.algorithms.grpo.GRPO`.
-
-    When ``prox_logp is behav_logp`` (on-policy / no recompute) ``w = 1`` and this is standard PPO.
-
-    Args:
-        logprobs: [B, T] float32 current policy, with grad.
-        prox_logp, behav_logp, advantages: [B, T] float32, no grad.
-        loss_mask: [B, T] 0/1.
-
-    Returns:
-        (scalar loss = Σ ℓ_t / Σ loss_mask, stats dict, see :func:`ppo_loss_per_token`).
-    """
-    loss, kept, stats = ppo_loss_per_token(
-        logprobs - prox_logp, prox_logp, behav_logp, advantages, loss_mask,
-        eps_clip, eps_clip_high, behav_imp_weight_cap, c_clip,
-    )
-    return agg_loss(loss, loss_mask, "token-mean"), stats
