@@ -122,6 +122,16 @@ def test_wait_times_out_without_losing_results():
         ex.destroy()
 
 
+class FixedWorkflow(RolloutWorkflow):
+    """Returns the trajectory stored under the row's ``id`` (its versions set by the test)."""
+
+    def __init__(self, trajectories):
+        self.trajectories = trajectories
+
+    async def arun_episode(self, engine, data):
+        return self.trajectories[data["id"]]
+
+
 def test_stale_trajectory_is_dropped_never_returned():
     ex = make_executor(eta=1)
     try:
@@ -129,9 +139,13 @@ def test_stale_trajectory_is_dropped_never_returned():
                "loss_mask": torch.tensor([[0, 1]]), "logprobs": torch.zeros(1, 2),
                "versions": torch.tensor([[-1, 0]]), "rewards": torch.tensor([-1.0])}
         fresh = dict(old, versions=torch.tensor([[-1, 2]]), rewards=torch.tensor([5.0]))
-        ex.staleness.stat.accepted = 2
-        ex._output.put(old)
-        ex._output.put(fresh)
+        wf = FixedWorkflow({0: old, 1: fresh})
+        ex.submit({"id": 0}, wf)
+        ex.submit({"id": 1}, wf)
+        deadline = time.monotonic() + 10
+        while ex.staleness.stat.accepted < 2:  # both finished and queued, the old one first
+            assert time.monotonic() < deadline, "the two episodes did not finish"
+            time.sleep(0.01)
         ex.engine.set_version(3)  # bound: oldest token version >= 3 - 1 = 2
         out = ex.wait(1, timeout=5)
         assert out["rewards"].tolist() == [5.0]

@@ -163,7 +163,7 @@ class WorkflowExecutor:
         self.staleness.on_finish(accepted=True)
         self._output.put((seq, traj))
 
-    def _discard(self, seq: int | None) -> None:
+    def _discard(self, seq: int) -> None:
         """The row of episode ``seq`` is done with (trained on, rejected, failed or stale)."""
         with self._rows_lock:
             self._pending.pop(seq, None)
@@ -218,10 +218,9 @@ class WorkflowExecutor:
             if remaining <= 0:
                 raise TimeoutError(f"only {len(self._ready)}/{count} rollouts ready after {timeout} s")
             try:
-                item = self._output.get(timeout=remaining)
+                seq, traj = self._output.get(timeout=remaining)
             except queue.Empty:
                 continue
-            seq, traj = item if isinstance(item, tuple) else (None, item)  # tests may put bare trajectories
             generated = traj["versions"][traj["versions"] >= 0]
             min_version = int(generated.min()) if generated.numel() else -1
             if self.staleness.is_fresh(min_version, version):
