@@ -343,6 +343,7 @@ class SFTConfig:
     valid_dataset: SFTDatasetConfig = field(default_factory=lambda: SFTDatasetConfig(size=64, batch_size=16))
     saver: SaverConfig = field(default_factory=SaverConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # python -m arealite.launcher.ray|slurm (no servers offline)
 
     @property
     def output_dir(self) -> str:
@@ -381,6 +382,7 @@ class DPOConfig:
     saver: SaverConfig = field(default_factory=SaverConfig)
     evaluator: EvalConfig = field(default_factory=EvalConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # python -m arealite.launcher.ray|slurm (no servers offline)
 
     @property
     def output_dir(self) -> str:
