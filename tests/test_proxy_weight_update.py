@@ -11,7 +11,6 @@ import asyncio
 import os
 import socket
 import subprocess
-import sys
 
 import aiohttp
 import pytest
@@ -23,6 +22,7 @@ from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
 from arealite.inference.remote import RemoteInferenceEngine, wait_healthy
 from conftest import REPO_ROOT, save_tiny_model
+from slow_server import command as slow_server_command
 
 LONG = 150  # tokens of the call that the update interrupts (>= 1.5 s at 10 ms per step)
 
@@ -36,8 +36,8 @@ def slow_server(tiny_model_dir, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", tiny_model_dir,
-                             "--port", str(port), "--seed", "1", "--decode-step-delay", "0.01"],
+    proc = subprocess.Popen(slow_server_command(0.01, "--model-path", tiny_model_dir, "--port", str(port),
+                                                "--seed", "1"),
                             cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy([f"127.0.0.1:{port}"], timeout=120, poll=0.2)

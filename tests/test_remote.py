@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -27,6 +26,7 @@ from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.inference.remote import RemoteInferenceEngine, ServerError, ServerTimeoutError, wait_healthy
 
 from conftest import save_tiny_model
+import slow_server
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,7 +170,14 @@ def test_scheduler_replies_have_sglang_shapes(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    sched = Scheduler(model, max_batch_size=1, seed=1, decode_step_delay=0.01, tokenizer=tok)
+    sched = Scheduler(model, max_batch_size=1, seed=1, tokenizer=tok)
+    decode_step = sched._decode_step
+
+    def slowed_decode_step():  # >= 10 ms per decode step: r2 (500 tokens) is mid-way at the pause
+        decode_step()
+        time.sleep(0.01)
+
+    sched._decode_step = slowed_decode_step
     prompt = [1, 17, 300, 4000]
 
     async def main():
@@ -278,8 +285,7 @@ def real_servers(tmp_path_factory, tiny_model_dir):
     for i in range(2):
         port = _free_port()
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "arealite.server", "--model-path", model_a, "--port", str(port),
-             "--seed", str(i + 1), "--decode-step-delay", "0.01"],
+            slow_server.command(0.01, "--model-path", model_a, "--port", str(port), "--seed", str(i + 1)),
             cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         addrs.append(f"127.0.0.1:{port}")
     try:

@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from arealite.server.protocol import SamplingParams, parse_generate_request
 from arealite.server.sampling import sample_next_tokens
+import slow_server
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
@@ -61,11 +61,10 @@ def server(models):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "arealite.server", "--model-path", models["a"][1],
-         "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
-         "--max-batch-size", "64", "--dtype", "float32", "--seed", "1",
-         # >= 5 ms per decode step: 200 tokens take >= 1 s, so a pause at 0.5 s lands mid-way.
-         "--decode-step-delay", "0.005"],
+        # >= 5 ms per decode step: 200 tokens take >= 1 s, so a pause at 0.5 s lands mid-way.
+        slow_server.command(0.005, "--model-path", models["a"][1],
+                            "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
+                            "--max-batch-size", "64", "--dtype", "float32", "--seed", "1"),
         cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90

@@ -12,7 +12,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +23,7 @@ from arealite.inference.remote import RemoteInferenceEngine, ServerError, post_j
 from arealite.launcher.local import ServerFollower, ServerWatcher
 
 from conftest import save_tiny_model
+import slow_server
 from test_remote import _free_port, _teacher_forced
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +31,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _start(model: str, port: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", model, "--port", str(port),
-                             "--decode-step-delay", "0.02"], cwd=REPO_ROOT, env=env,
+    return subprocess.Popen(slow_server.command(0.02, "--model-path", model, "--port", str(port)),
+                            cwd=REPO_ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -145,4 +145,4 @@ def test_rank1_never_uses_a_restarted_server_that_was_not_caught_up(two_models):
     [err] = out["resps"]
     assert isinstance(err, ServerError), err
     assert time.monotonic() - start < 30
-    assert addr in follower._excluded and addr not in follower.restarting
+    assert addr in follower.excluded and addr not in follower.restarting

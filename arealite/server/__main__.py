@@ -40,9 +40,6 @@ def parse_args(argv=None):
     p.add_argument("--access-log", action="store_true",
                    help="log every HTTP request (aiohttp's access log; off by default: one line per "
                         "/generate floods the logs that launchers stream)")
-    p.add_argument("--decode-step-delay", type=float, default=0.0,
-                   help="testing aid: seconds to sleep after each decode step, so that "
-                        "pause/update timing can be exercised with tiny, fast models")
     return p.parse_args(argv)
 
 
@@ -68,9 +65,8 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
         tokenizer = None
-    scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version,
-                          args.decode_step_delay, tokenizer, args.max_prefill_tokens,
-                          args.prefix_cache_tokens)
+    scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version, tokenizer,
+                          args.max_prefill_tokens, args.prefix_cache_tokens)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     # handler_cancellation: a client that disconnects (e.g. timed out and moved to another

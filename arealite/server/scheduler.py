@@ -10,7 +10,6 @@ import inspect
 import logging
 import queue
 import threading
-import time
 
 import torch
 
@@ -55,7 +54,7 @@ class Scheduler:
     """
 
     def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0,
-                 decode_step_delay: float = 0.0, tokenizer=None, max_prefill_tokens: int = 1024,
+                 tokenizer=None, max_prefill_tokens: int = 1024,
                  prefix_cache_tokens: int = 8192):
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
@@ -66,7 +65,6 @@ class Scheduler:
         self.tokenizer = tokenizer  # optional: stop strings and the reply's "text"
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.decode_step_delay = decode_step_delay
         self.weight_version = weight_version
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.device = model.device
@@ -163,8 +161,6 @@ class Scheduler:
         while not self._stop.is_set():
             try:
                 self.step(block=True)
-                if self.decode_step_delay and self._rows:
-                    time.sleep(self.decode_step_delay)
             except Exception as exc:  # keep serving; fail what was in flight
                 logger.exception("scheduler step failed")
                 self._fail_all(exc)
