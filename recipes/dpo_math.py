@@ -23,13 +23,13 @@ import sys
 import torch.distributed as dist
 
 from arealite.algorithms.dpo import DPO
-from arealite.api.cli import load_config
 from arealite.api.config import DPOConfig
 from arealite.dataset.loader import load_rows
 from arealite.dataset.math_data import load_dataset
 from arealite.dataset.preference_data import PreferenceCollator, load_preference_dataset
 from arealite.train_engine.fsdp import FSDPEngine, init_distributed
 from arealite.evaluate import evaluate_hf
+from arealite.trainer.entry import load_run_config
 from arealite.trainer.offline_loop import prepare_offline, run_offline
 from arealite.trainer.rl_loop import run_rl
 from arealite.utils.hf import resolve_model_path
@@ -54,7 +54,7 @@ def build_dpo(config: DPOConfig, actor: FSDPEngine, _ref=None) -> DPO:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = load_config(DPOConfig, argv)
+    config = load_run_config(DPOConfig, argv, uses_servers=lambda c: c.mode == "online")  # servers online only
     if config.mode == "online":
         reward_fn = import_reward(config.reward_fn)
         return run_rl(config, build_dpo, lambda c, tok, d: PreferenceWorkflow(reward_fn, c.gconfig, tok, dump_dir=d),

@@ -16,7 +16,8 @@ import sys
 
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import MultiTurnGRPOConfig
-from arealite.trainer.rl_loop import main as run
+from arealite.trainer.entry import load_run_config
+from arealite.trainer.rl_loop import run_rl
 from arealite.workflow.multi_turn import MultiTurnMathWorkflow
 
 
@@ -27,7 +28,7 @@ def build_multi_turn(config: MultiTurnGRPOConfig, tokenizer, dump_dir: str | Non
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run(MultiTurnGRPOConfig, GRPO.from_config, build_multi_turn, argv)
+    return run_rl(load_run_config(MultiTurnGRPOConfig, argv), GRPO.from_config, build_multi_turn)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ import sys
 import torch.distributed as dist
 
 from arealite.algorithms.sft import SFT, evaluate_nll
-from arealite.api.cli import load_config
 from arealite.api.config import SFTConfig
 from arealite.dataset.loader import load_rows
 from arealite.dataset.sft_data import SFTCollator, load_sft_dataset
 from arealite.train_engine.fsdp import init_distributed
+from arealite.trainer.entry import load_run_config
 from arealite.trainer.offline_loop import prepare_offline, run_offline
 
 
@@ -41,7 +41,7 @@ def shard_batches(rows: list[dict], rank: int, world: int, batch_size: int, coll
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = load_config(SFTConfig, argv)
+    config = load_run_config(SFTConfig, argv, uses_servers=False)  # ends here under a cluster launcher's config read
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     # Data, model path, tokenizer (cheap checks before anything expensive or written).

@@ -16,7 +16,8 @@ import sys
 
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import ToolAgentGRPOConfig
-from arealite.trainer.rl_loop import main as run
+from arealite.trainer.entry import load_run_config
+from arealite.trainer.rl_loop import run_rl
 from arealite.workflow.tool_agent import ToolAgentMathWorkflow
 
 
@@ -27,7 +28,7 @@ def build_tool_agent(config: ToolAgentGRPOConfig, tokenizer, dump_dir: str | Non
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run(ToolAgentGRPOConfig, GRPO.from_config, build_tool_agent, argv)
+    return run_rl(load_run_config(ToolAgentGRPOConfig, argv), GRPO.from_config, build_tool_agent)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ A cluster launcher runs in three phases, each able to fail before the next costs
    an impossible request is a :class:`~arealite.api.cli.ConfigError` naming the field and what
    the cluster has, within seconds.
 2. :func:`read_recipe_config` runs the recipe with ``AREALITE_CONFIG_DUMP`` set: the recipe loads
-   and validates its whole config (its own dataclass, ``world_size = launcher.trainer_ranks``),
-   writes it as YAML and exits without training.
+   and validates its whole config (its own dataclass, ``world_size = launcher.trainer_ranks``)
+   through :func:`arealite.trainer.entry.load_run_config`, writes it as YAML and exits without
+   training. The YAML says whether the run uses inference servers (:func:`recipe_servers`: none
+   for SFT and offline DPO; :func:`without_servers` then drops them from the placement).
 3. The launcher starts the servers (:func:`server_argv`, each writes its ``host:port`` to
    :func:`address_file`), waits for them (:func:`wait_addresses`), then starts the trainer ranks
    (:func:`trainer_argv`, :func:`trainer_env`) with ``--rollout.addresses``. Trainer rank 0
@@ -37,7 +39,7 @@ import yaml
 from arealite.api.cli import ConfigError, from_dict, validate_config
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
 
-CONFIG_DUMP_ENV = "AREALITE_CONFIG_DUMP"  # rl_loop.main writes the validated config here and exits
+CONFIG_DUMP_ENV = "AREALITE_CONFIG_DUMP"  # trainer/entry.py::load_run_config writes the validated config here and exits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,6 +240,26 @@ def read_recipe_config(recipe: str, args: list[str], timeout: float = 600.0) -> 
             return yaml.safe_load(f)
 
 
+def recipe_servers(config: dict) -> int:
+    """How many inference servers the run of a read config (:func:`read_recipe_config`) needs:
+    ``rollout.n_servers``, or 0 when the recipe said it uses none (SFT, offline DPO) or has no
+    ``rollout`` section."""
+    if not config.get("uses_servers", True) or not isinstance(config.get("rollout"), dict):
+        return 0
+    return int(config["rollout"].get("n_servers", InferenceEngineConfig.n_servers))
+
+
+def without_servers(launcher: LauncherConfig, rollout: InferenceEngineConfig, placement: Placement,
+                    cluster: str = "the cluster") -> Placement:
+    """``placement`` planned again with no servers (a recipe that uses none): the trainer ranks
+    only, on the same nodes' list.
+
+    Raises:
+        ConfigError: as :func:`plan_placement` (cannot happen for a request that fitted with servers).
+    """
+    return plan_placement(launcher, dataclasses.replace(rollout, n_servers=0), placement.nodes, cluster)
+
+
 # ------------------------------------------------------------------------------------------------
 # Phase 3: commands, address files, processes
 # ------------------------------------------------------------------------------------------------
@@ -254,8 +276,9 @@ def server_argv(rollout: InferenceEngineConfig, model_path: str, host: str, port
 
 def trainer_argv(recipe: str, args: list[str], addresses: list[str], config: dict, cpus: int) -> list[str]:
     """``python RECIPE ARGS --rollout.addresses A B ...`` (+ ``--actor.num_threads cpus`` unless
-    the config sets it) for one trainer rank."""
-    cmd = [sys.executable, recipe, *args, "--rollout.addresses", *addresses]
+    the config sets it) for one trainer rank; no ``--rollout.addresses`` when ``addresses`` is
+    empty (a recipe without servers)."""
+    cmd = [sys.executable, recipe, *args, *(["--rollout.addresses", *addresses] if addresses else [])]
     if not config.get("actor", {}).get("num_threads"):
         cmd += ["--actor.num_threads", str(cpus)]
     return cmd

@@ -14,7 +14,7 @@ The recipe file is unchanged: this launcher plays ``torchrun`` and the local ser
    and one per server, each pinned to its planned node (``bundle_label_selector`` on
    ``ray.io/node-id``). A group not placed within ``launcher.placement_timeout`` is an error that
    says what the cluster has, never a silent pending state.
-2. Servers: one :class:`ServerActor` per server runs the server process (ours, vLLM or SGLang)
+2. Servers (none for a recipe that uses none: SFT, offline DPO): one :class:`ServerActor` per server runs the server process (ours, vLLM or SGLang)
    on its node's address and writes ``host:port`` to ``<output_dir>/servers/server{i}.addr``. If
    the process dies the actor exits and Ray restarts it (``rollout.max_server_restarts`` times)
    in the same bundle, on the same port; trainer rank 0 sees the server come back, loads it with
@@ -50,8 +50,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from arealite.api.cli import from_dict
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
 from arealite.launcher.cluster import (Node, Placement, address_file, describe, die_with_parent, exit_reason,
-                                       free_port, plan_placement, preparse, previous_port, read_recipe_config, run_main,
-                                       server_argv, stream, this_machine, trainer_argv, trainer_env, wait_addresses, write_address)
+                                       free_port, plan_placement, preparse, previous_port, read_recipe_config,
+                                       recipe_servers, run_main, server_argv, stream, this_machine, trainer_argv,
+                                       trainer_env, wait_addresses, without_servers, write_address)
 
 _NOT_FOR_SERVERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _FORWARDED = ("AREALITE_", "VLLM_", "SGLANG_", "HF_", "NCCL_", "GLOO_", "TORCH_", "PYTHONPATH")
@@ -176,20 +177,21 @@ def reserve(placement: Placement, launcher, rollout, timeout: float):
 def _run_once(args, config: dict, placement: Placement, pg, attempt: int) -> tuple[int, str]:
     """Start the servers, then the trainers; wait for the trainers. Returns (exit code, reason)."""
     launcher = from_dict(LauncherConfig, config["launcher"], "launcher")
-    rollout = from_dict(InferenceEngineConfig, config["rollout"], "rollout")
+    rollout = from_dict(InferenceEngineConfig, config.get("rollout") or {}, "rollout")  # SFT has none
     out, cwd = config["output_dir"], os.getcwd()
-    n_trainer_bundles = len(placement.trainer_nodes)
+    n_trainer_bundles, n_servers = len(placement.trainer_nodes), recipe_servers(config)
     servers, trainers = [], []
     try:
-        for i in range(rollout.n_servers):
+        for i in range(n_servers):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n_trainer_bundles + i)
             servers.append(ray.remote(ServerActor).options(
                 num_cpus=rollout.server_threads, num_gpus=launcher.server_gpus, max_restarts=rollout.max_server_restarts,
                 scheduling_strategy=strategy, runtime_env={"env_vars": forwarded_env()}).remote(i, config["rollout"], config["model_path"], config["seed"] + i, out, cwd))
-        files = [address_file(out, i) for i in range(rollout.n_servers)]
+        files = [address_file(out, i) for i in range(n_servers)]
         infos = ray.get([s.info.remote() for s in servers], timeout=rollout.setup_timeout)
         addresses = wait_addresses(files, rollout.setup_timeout)
-        print(f"arealite.launcher.ray: servers ready at {addresses}", flush=True)
+        print(f"arealite.launcher.ray: servers ready at {addresses}" if n_servers else
+              "arealite.launcher.ray: the recipe uses no inference servers", flush=True)
 
         for k in range(n_trainer_bundles):
             for _ in range(placement.ranks_per_node):
@@ -249,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         placement = plan_placement(launcher, rollout, ray_nodes(), cluster="the Ray cluster")
         config = read_recipe_config(args.recipe, args.args)
+        if not recipe_servers(config):  # SFT, offline DPO: the trainer ranks only
+            placement = without_servers(launcher, rollout, placement, cluster="the Ray cluster")
         os.makedirs(os.path.join(config["output_dir"], "logs"), exist_ok=True)
         pg = reserve(placement, launcher, rollout, launcher.placement_timeout)
         try:

@@ -41,8 +41,8 @@ import time
 from arealite.api.cli import ConfigError, from_dict
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
 from arealite.launcher.cluster import (Node, Placement, address_file, describe, node_address, plan_placement, preparse,
-                                       previous_port, free_port, read_recipe_config, run_main, server_argv,
-                                       trainer_argv, wait_addresses, write_address)
+                                       previous_port, free_port, read_recipe_config, recipe_servers, run_main,
+                                       server_argv, trainer_argv, wait_addresses, without_servers, write_address)
 
 
 def partition_nodes(partition: str = "") -> list[Node]:
@@ -94,19 +94,16 @@ def layout(placement: Placement, launcher: LauncherConfig, rollout: InferenceEng
             "cpus_per_node": int(max(cpus)), "gpus_per_node": int(max(gpus)), "n_nodes": launcher.n_nodes}
 
 
-def job_script(recipe: str, args: list[str], config: dict, plan: dict, plan_path: str) -> str:
-    """The sbatch script of the job (see the module docstring)."""
-    launcher = from_dict(LauncherConfig, config["launcher"], "launcher")
-    rollout = from_dict(InferenceEngineConfig, config["rollout"], "rollout")
-    out, py, q = config["output_dir"], sys.executable, shlex.quote
-    t_nodes, per_node = plan["trainer_nodes"], launcher.trainer_ranks // launcher.trainer_nodes
+def sbatch_header(config: dict, plan: dict, launcher: LauncherConfig) -> list[str]:
+    """The ``#!/bin/bash`` and ``#SBATCH`` lines of the job script (nodes, per-node request, log,
+    partition, time limit, ``launcher.slurm_args``)."""
     head = [
         "#!/bin/bash",
         f"#SBATCH --job-name=arealite-{config['experiment_name']}-{config['trial_name']}",
         f"#SBATCH --nodes={plan['n_nodes']}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --cpus-per-task={plan['cpus_per_node']}",
-        f"#SBATCH --output={out}/logs/slurm-%j.out",
+        f"#SBATCH --output={config['output_dir']}/logs/slurm-%j.out",
     ]
     if plan["gpus_per_node"]:
         head.append(f"#SBATCH --gpus-per-node={plan['gpus_per_node']}")
@@ -114,19 +111,37 @@ def job_script(recipe: str, args: list[str], config: dict, plan: dict, plan_path
         head.append(f"#SBATCH --partition={launcher.slurm_partition}")
     if launcher.slurm_time:
         head.append(f"#SBATCH --time={launcher.slurm_time}")
-    head += [f"#SBATCH {a}" for a in launcher.slurm_args]
+    return head + [f"#SBATCH {a}" for a in launcher.slurm_args]
+
+
+def job_script(recipe: str, args: list[str], config: dict, plan: dict, plan_path: str) -> str:
+    """The sbatch script of the job (see the module docstring); a recipe without servers (SFT,
+    offline DPO: :func:`~arealite.launcher.cluster.recipe_servers` is 0) starts the trainers only."""
+    launcher = from_dict(LauncherConfig, config["launcher"], "launcher")
+    rollout = from_dict(InferenceEngineConfig, config.get("rollout") or {}, "rollout")  # SFT has none
+    n_servers = recipe_servers(config)  # 0: no server steps, no --rollout.addresses
+    out, py, q = config["output_dir"], sys.executable, shlex.quote
+    t_nodes, per_node = plan["trainer_nodes"], launcher.trainer_ranks // launcher.trainer_nodes
+    head = sbatch_header(config, plan, launcher)
     trainer_list = ",".join(f"${{NODES[{k}]}}" for k in t_nodes)
     if len(t_nodes) == 1:
         rdzv = "--standalone"
     else:
         rdzv = (f"--nnodes={len(t_nodes)} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
                 f"--rdzv_endpoint=${{NODES[{t_nodes[0]}]}}:$((20000 + SLURM_JOB_ID % 20000))")
-    cmd = trainer_argv(os.path.abspath(recipe), [*args, "--launcher.type", "slurm"], ["__ADDRS__"], config,
-                       launcher.trainer_cpus)
+    cmd = trainer_argv(os.path.abspath(recipe), [*args, "--launcher.type", "slurm"], ["__ADDRS__"] if n_servers else [],
+                       config, launcher.trainer_cpus)
     recipe_args = " ".join(q(a) for a in cmd[1:]).replace("__ADDRS__", "$ADDRS")
     gpu_flag = f" --gpus-per-task={per_node * launcher.trainer_gpus}" if launcher.trainer_gpus else ""
     server_gpu = f" --gpus-per-task={launcher.server_gpus}" if launcher.server_gpus else ""
     servers = "\n".join(f'  server {i} "${{NODES[{k}]}}" & SERVER_PIDS+=($!)' for i, k in enumerate(plan["server_nodes"]))
+    start = f"""  start_servers
+  if ! ADDRS=$("$PY" -m arealite.launcher.slurm wait --plan "$PLAN"); then
+    echo "arealite: the servers did not come up; see $OUT/logs/server*.log"; stop_servers; exit 1
+  fi
+  echo "arealite: servers at $ADDRS; starting {launcher.trainer_ranks} trainer ranks (attempt $attempt)"
+"""
+    no_servers = f'  echo "arealite: no inference servers; starting {launcher.trainer_ranks} trainer ranks (attempt $attempt)"\n'
     body = f"""
 # Written by python -m arealite.launcher.slurm: {os.path.basename(recipe)} on {plan['n_nodes']} node(s).
 # Servers on node positions {plan['server_nodes']}; {launcher.trainer_ranks} trainer ranks on {t_nodes} ({per_node} per node).
@@ -162,12 +177,7 @@ trap 'stop_servers; exit 143' TERM INT
 
 rc=1
 for attempt in $(seq 0 {launcher.max_restarts}); do
-  start_servers
-  if ! ADDRS=$("$PY" -m arealite.launcher.slurm wait --plan "$PLAN"); then
-    echo "arealite: the servers did not come up; see $OUT/logs/server*.log"; stop_servers; exit 1
-  fi
-  echo "arealite: servers at $ADDRS; starting {launcher.trainer_ranks} trainer ranks (attempt $attempt)"
-  srun --nodes={len(t_nodes)} --ntasks-per-node=1 --cpus-per-task={per_node * launcher.trainer_cpus}{gpu_flag} \\
+{start if n_servers else no_servers}  srun --nodes={len(t_nodes)} --ntasks-per-node=1 --cpus-per-task={per_node * launcher.trainer_cpus}{gpu_flag} \\
     --nodelist="{trainer_list}" --overlap --kill-on-bad-exit=1 \\
     "$PY" -m torch.distributed.run {rdzv} --nproc_per_node={per_node} {recipe_args}
   rc=$?
@@ -224,6 +234,8 @@ def submit(args: argparse.Namespace) -> int:
         raise ConfigError("launcher.slurm_partition", f"{where} has no usable node (sinfo lists none up)")
     placement = plan_placement(launcher, rollout, nodes, cluster=where)
     config = read_recipe_config(args.recipe, args.args)
+    if not recipe_servers(config):  # SFT, offline DPO: the trainer ranks only
+        placement = without_servers(launcher, rollout, placement, cluster=where)
     plan = layout(placement, launcher, rollout)
     slurm_dir = os.path.join(config["output_dir"], "slurm")
     plan_path = os.path.join(slurm_dir, "plan.json")

@@ -16,7 +16,8 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from arealite.agent.proxy_workflow import ProxyAgentWorkflow
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import ProxyAgentGRPOConfig
-from arealite.trainer.rl_loop import main
+from arealite.trainer.entry import load_run_config
+from arealite.trainer.rl_loop import run_rl
 from arealite.reward.math import math_reward
 
 
@@ -49,4 +50,4 @@ def build(config: ProxyAgentGRPOConfig, tokenizer, dump_dir) -> ProxyAgentWorkfl
 
 
 if __name__ == "__main__":
-    main(ProxyAgentGRPOConfig, GRPO.from_config, build, sys.argv[1:])
+    run_rl(load_run_config(ProxyAgentGRPOConfig, sys.argv[1:]), GRPO.from_config, build)

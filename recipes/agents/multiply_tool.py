@@ -20,9 +20,9 @@ from openai import AsyncOpenAI
 
 from arealite.agent.proxy_workflow import ProxyAgentWorkflow
 from arealite.algorithms.grpo import GRPO
-from arealite.api.cli import load_config
 from arealite.api.config import ProxyAgentGRPOConfig
 from arealite.dataset.multiplication import load_multiplication, multiplication_reward
+from arealite.trainer.entry import load_run_config
 from arealite.trainer.rl_loop import run_rl
 from arealite.sandbox import SandboxConfig, arun_python
 from arealite.workflow.tool_agent import extract_code
@@ -83,7 +83,7 @@ def evaluate(config: ProxyAgentGRPOConfig, tool: bool = True) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = {f for f in ("--eval-only", "--no-tool") if f in argv}
-    config = load_config(ProxyAgentGRPOConfig, [a for a in argv if a not in flags])
+    config = load_run_config(ProxyAgentGRPOConfig, [a for a in argv if a not in flags])
     if "--eval-only" in flags:
         result = evaluate(config, tool="--no-tool" not in flags)
         print(f"held-out greedy ({'no tool' if '--no-tool' in flags else 'tool'}): {result}", flush=True)

@@ -47,6 +47,7 @@ if __name__ == "__main__":
     else:
         from arealite.algorithms.grpo import GRPO
         from arealite.api.config import ProxyAgentGRPOConfig
-        from arealite.trainer.rl_loop import main
+        from arealite.trainer.entry import load_run_config
+        from arealite.trainer.rl_loop import run_rl
 
-        main(ProxyAgentGRPOConfig, GRPO.from_config, build, sys.argv[1:])
+        run_rl(load_run_config(ProxyAgentGRPOConfig, sys.argv[1:]), GRPO.from_config, build)

@@ -17,9 +17,9 @@ from openai import AsyncOpenAI
 
 from arealite.agent.proxy_workflow import ProxyAgentWorkflow
 from arealite.algorithms.grpo import GRPO
-from arealite.api.cli import load_config
 from arealite.api.config import ProxyAgentGRPOConfig
 from arealite.dataset.multiplication import load_multiplication, multiplication_reward
+from arealite.trainer.entry import load_run_config
 from arealite.trainer.rl_loop import run_rl
 
 set_tracing_disabled(True)  # no trace upload: the machine is offline
@@ -48,4 +48,4 @@ def build(config: ProxyAgentGRPOConfig, tokenizer, dump_dir) -> ProxyAgentWorkfl
 
 
 if __name__ == "__main__":
-    run_rl(load_config(ProxyAgentGRPOConfig, sys.argv[1:]), GRPO.from_config, build, dataset_loader=load_multiplication)
+    run_rl(load_run_config(ProxyAgentGRPOConfig, sys.argv[1:]), GRPO.from_config, build, dataset_loader=load_multiplication)
