@@ -54,3 +54,9 @@ def memory_bomb():
     chunks = []
     while True:
         chunks.append(b"x" * (32 << 20))
+
+
+def length_parity_reward(completion: str, answer: str) -> float:
+    """A reward that a random model's samples do not all share (the completion's length mod 3,
+    over 2), so GRPO's advantages are not all 0 and a step changes the weights."""
+    return (len(completion) % 3) / 2

@@ -11,7 +11,8 @@ import pytest
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.inference.remote import RemoteInferenceEngine, SGLangAdapter, VLLMAdapter
+from arealite.inference.remote import RemoteInferenceEngine
+from arealite.inference.adapters import SGLangAdapter, VLLMAdapter
 from arealite.launcher.local import (check_backend_installed, gpu_assignment, launch_servers, server_command, server_env,
                                      vllm_cpu_cores)
 
@@ -210,7 +211,7 @@ def test_pause_resume_endpoints_per_backend(monkeypatch):
 def test_server_missing_a_control_call_is_excluded(monkeypatch):
     """A server that misses a pause/weight update never gets requests again (it would serve stale
     weights); the call fails only when every server fails."""
-    from arealite.inference.remote import ServerError
+    from arealite.inference.adapters import ServerError
 
     down = {"h:2"}
 

@@ -98,8 +98,13 @@ def test_gradients_equal_without_core_sharing(tiny_model_dir):
 def test_when_sharing_applies(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
 
-    class Engine:
+    from arealite.inference.remote import RemoteInferenceEngine
+
+    class Engine(RemoteInferenceEngine):  # the servers' HTTP client, without servers
         n = 0
+
+        def __init__(self):
+            pass
 
         def requests_in_flight(self):
             return self.n
@@ -115,7 +120,6 @@ def test_when_sharing_applies(monkeypatch):
     cfg = InferenceEngineConfig(n_servers=1, server_threads=2)
     cs = core_sharing_for(cfg, 0, e, 1, cpu)
     assert (cs.base, cs.extra) == (2, 2)  # static split 2 + 2; idle servers give their 2
-    assert cs.lend is None  # the engine cannot change the servers' threads
     assert cs.busy() is False
     e.n = 3
     assert cs.busy() is True
@@ -130,7 +134,7 @@ def test_when_sharing_applies(monkeypatch):
     assert core_sharing_for(cfg, 3, e, 1, cpu) is None  # actor.num_threads given: kept
     assert core_sharing_for(cfg, 0, e, 2, cpu) is None  # several ranks
     assert core_sharing_for(cfg, 0, e, 1, torch.device("meta")) is None  # not a CPU trainer
-    assert core_sharing_for(cfg, 0, object(), 1, cpu) is None  # no in-flight count
+    assert core_sharing_for(cfg, 0, object(), 1, cpu) is None  # not the servers' client: no in-flight count
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     cs = core_sharing_for(InferenceEngineConfig(n_servers=1, server_threads=1), 0, e, 1, cpu)
     assert (cs.base, cs.extra) == (1, 1)

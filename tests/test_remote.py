@@ -23,7 +23,8 @@ from aiohttp import web
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.inference.remote import RemoteInferenceEngine, ServerError, ServerTimeoutError, wait_healthy
+from arealite.inference.remote import RemoteInferenceEngine, wait_healthy
+from arealite.inference.adapters import ServerError, ServerTimeoutError
 
 from conftest import save_tiny_model
 import slow_server

@@ -11,7 +11,8 @@ import torch
 from arealite.api.config import GenerationConfig, TrainEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.train_engine.fsdp import FSDPEngine
-from arealite.inference.remote import ServerError, post_json
+from arealite.inference.remote import post_json
+from arealite.inference.adapters import ServerError
 from arealite.workflow.rlvr import build_trajectories
 
 from conftest import save_tiny_model

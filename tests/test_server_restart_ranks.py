@@ -19,7 +19,8 @@ import pytest
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.inference.remote import RemoteInferenceEngine, ServerError, post_json, wait_healthy
+from arealite.inference.remote import RemoteInferenceEngine, post_json, wait_healthy
+from arealite.inference.adapters import ServerError
 from arealite.launcher.local import ServerFollower, ServerWatcher
 
 from conftest import save_tiny_model

@@ -22,7 +22,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arealite.inference.remote import ServerError, VLLMAdapter, post_control, post_json
+from arealite.inference.remote import post_control, post_json
+from arealite.inference.adapters import ServerError, VLLMAdapter
 from arealite.server.vllm_ext import WeightUpdateExtension
 from arealite.api.weight_update import dtype_name
 from arealite.weights.sync import _free_port, broadcast_tensor, broadcast_weights, iter_buckets, new_weight_update_group

@@ -41,7 +41,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig  # noqa: E402
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta  # noqa: E402
-from arealite.inference.remote import RemoteInferenceEngine, VLLMAdapter, post_control, post_json  # noqa: E402
+from arealite.inference.remote import RemoteInferenceEngine, post_control, post_json  # noqa: E402
+from arealite.inference.adapters import VLLMAdapter
 
 PROMPT = [1, 504, 3458, 314, 253, 1234, 9, 88, 777, 42, 1001, 17]
 TOL = 1e-4
@@ -212,7 +213,8 @@ SENDER = textwrap.dedent('''
     import torch
     from transformers import AutoModelForCausalLM
     from arealite.api.weight_update import dtype_name
-    from arealite.inference.remote import VLLMAdapter, post_control
+    from arealite.inference.remote import post_control
+    from arealite.inference.adapters import VLLMAdapter
     from arealite.weights.group import broadcast_tensor, new_weight_update_group
     addr, path, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     params = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()]

@@ -13,7 +13,8 @@ import torch
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
 from arealite.train_engine.fsdp import FSDPEngine
-from arealite.inference.remote import RemoteInferenceEngine, ServerError, post_json
+from arealite.inference.remote import RemoteInferenceEngine, post_json
+from arealite.inference.adapters import ServerError
 from arealite.weights.sync import iter_buckets
 from arealite.launcher.local import launch_servers
 from arealite.trainer.weight_update import push_weights

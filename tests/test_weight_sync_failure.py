@@ -24,7 +24,8 @@ import arealite.trainer.weight_update as wu
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
 from arealite.train_engine.fsdp import FSDPEngine
-from arealite.inference.remote import RemoteInferenceEngine, ServerError, post_json, wait_healthy
+from arealite.inference.remote import RemoteInferenceEngine, post_json, wait_healthy
+from arealite.inference.adapters import ServerError
 from arealite.weights.sync import WeightSyncError
 from arealite.launcher.local import _free_port, server_command
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 
-from arealite.api.engine import Batch
+from arealite.api.engine import Batch, TrainEngine
 
 
 class Algorithm(abc.ABC):
@@ -13,7 +13,12 @@ class Algorithm(abc.ABC):
     A recipe calls ``stats = algo.update(batch)`` once per training step; ``update`` calls
     :meth:`prepare` (recompute logprobs, reference logprobs, advantages) and then the
     optimizer steps.
+
+    ``critic``: the value model an algorithm trains besides the policy (PPO), or None; the loop
+    checkpoints it for recover and gives it the shared cores.
     """
+
+    critic: "TrainEngine | None" = None
 
     @abc.abstractmethod
     def prepare(self, batch: Batch) -> Batch:

@@ -68,12 +68,13 @@ class InferenceEngine(abc.ABC):
     """Generation behind one interface: what a new inference backend implements.
 
     Abstract (a backend must implement them): :meth:`agenerate`, :meth:`pause_generation`,
-    :meth:`continue_generation`, :meth:`update_weights`. Everything else has a default here.
+    :meth:`continue_generation`, :meth:`update_weights`. Everything else has a default here:
+    :meth:`weight_update_meta` (where the trainer pushes new weights: an HF folder by default)
+    and :meth:`exclude_servers` (a distributed push named failed servers; nothing by default).
     The rollout executor (:class:`arealite.rollout.executor.WorkflowExecutor`) runs workflows
-    against any implementation; the weight-update coordinator
-    (:func:`arealite.trainer.weight_update.sync_weights`) also calls
-    ``weight_update_meta(path, version)`` (where the trainer pushes to) and, for distributed
-    pushes, ``exclude_servers(addresses, reason)``.
+    against any implementation, and the RL loop (:func:`arealite.trainer.rl_loop.run_rl`, its
+    ``inference_engine`` argument) trains with any implementation; the weight-update coordinator
+    (:func:`arealite.trainer.weight_update.sync_weights`) calls only the methods declared here.
 
     The weight version lives here, once per trainer rank: :meth:`get_version` is the number of
     weight updates the servers have completed (set by the coordinator on every rank after each
@@ -108,6 +109,18 @@ class InferenceEngine(abc.ABC):
         Raises:
             TimeoutError / RuntimeError: no server answered within the configured bound.
         """
+
+    def weight_update_meta(self, path: str, version: int) -> WeightUpdateMeta:
+        """Where the trainer writes the weights of ``version`` (called on every trainer rank after
+        :meth:`pause_generation`). The default: an HF folder at ``path`` (``type="disk"``), which
+        :meth:`update_weights` then loads. A distributed backend returns ``type="distributed"``
+        with its ``addresses``."""
+        return WeightUpdateMeta(type="disk", path=path, version=version)
+
+    def exclude_servers(self, addresses: list[str], reason: str) -> None:
+        """Never use ``addresses`` again: they failed a distributed weight push
+        (:class:`~arealite.weights.sync.WeightSyncError` ``.failed``) and hold stale or mixed
+        weights. The default does nothing (a backend without servers has none to exclude)."""
 
     @abc.abstractmethod
     def update_weights(self, meta: WeightUpdateMeta) -> None:

@@ -49,7 +49,6 @@ class ModelResponse:
         output_versions: weight version that produced each output token, length L.
         stop_reason: "stop" (EOS/stop id) | "length" (token budget) | "abort" (never returned
             by the client: aborts are resubmitted).
-        latency: wall time of the whole request [s].
     """
 
     input_tokens: list[int]
@@ -57,7 +56,6 @@ class ModelResponse:
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
     stop_reason: str = ""
-    latency: float = 0.0
 
     @property
     def output_len(self) -> int:
@@ -79,7 +77,7 @@ class WeightUpdateMeta:
         timeout_s: "distributed": a hung server fails the push after this long, per bucket and
             for the group setup [s] (``rollout.weight_sync_timeout``); a dead one fails at once.
         backend: the servers' protocol, ``rollout.backend`` ("local" | "sglang" | "vllm"): which
-            requests carry the update (``arealite.inference.remote.ADAPTERS``).
+            requests carry the update (``arealite.inference.adapters.ADAPTERS``).
     """
 
     type: str

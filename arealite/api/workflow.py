@@ -18,14 +18,42 @@ class RolloutWorkflow(abc.ABC):
     Subclass it and implement :meth:`arun_episode`; the executor runs many episodes
     concurrently on its asyncio loop, so never block the loop (use ``await``).
 
-    ``stat_keys``: names of extra per-trajectory float tensors [N] in the returned dict whose
-    batch mean the training loop logs as ``rollout/<key>`` (e.g. ``turns``). A workflow used by
-    the RL loop also has ``aevaluate(engine, rows) -> dict[str, float]`` (held-out evaluation).
-    :meth:`counters` returns cumulative event counts (e.g. timed-out agent sessions) that the loop
-    sums over ranks and logs each step as ``workflow/<name>``.
+    Everything the RL loop (:mod:`arealite.trainer.rl_loop`) calls is declared here, with a
+    default where one makes sense:
+
+    * ``stat_keys``: names of extra per-trajectory float tensors [N] in the returned dict whose
+      batch mean the loop logs as ``rollout/<key>`` (e.g. ``turns``);
+    * :meth:`aevaluate`: the held-out evaluation (start, end, in-loop);
+    * :meth:`counters` / :meth:`reward_counters`: cumulative counts the loop sums over ranks and
+      logs each step as ``workflow/<name>`` / as they are (``reward/<name>``);
+    * :meth:`start` / :meth:`close`: called once before the models load and once at the end.
     """
 
     stat_keys: tuple[str, ...] = ()
+
+    def start(self) -> None:
+        """Called once by the loop before the models load, e.g. to start a reward process so that
+        its start-up overlaps model loading. The default does nothing."""
+
+    def close(self) -> None:
+        """Release what the workflow owns (reward processes, sandboxes); called once at the end of
+        a run. The default does nothing."""
+
+    def reward_counters(self) -> dict[str, float]:
+        """Cumulative counters of the reward computation, named ``reward/<name>`` (``calls``,
+        ``timeout``, ``crash``, ``memory``, ``non_finite``, ...), the same keys on every rank;
+        ``{}`` by default."""
+        return {}
+
+    async def aevaluate(self, engine: "InferenceEngine", rows: list[dict[str, Any]]) -> dict[str, float]:
+        """Greedy held-out evaluation of ``rows``: ``{metric: value}`` (e.g. ``accuracy``).
+
+        Raises:
+            NotImplementedError: by default; a workflow evaluated by the loop overrides it (or the
+                run sets ``evaluator.at_start/at_end false`` and ``evaluator.freq_steps 0``).
+        """
+        raise NotImplementedError(f"{type(self).__name__}.aevaluate is not implemented: implement it, or pass "
+                                  "--evaluator.at_start false --evaluator.at_end false --evaluator.freq_steps 0")
 
     def counters(self) -> dict[str, float]:
         """Cumulative counts since the workflow was built (``{}`` by default); the same keys on

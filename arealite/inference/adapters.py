@@ -14,7 +14,17 @@ from arealite.api.weight_update import (DESTROY_GROUP_ENDPOINT, INIT_GROUP_ENDPO
 
 
 class ServerError(RuntimeError):
-    """A server answered with an HTTP error (not retried when it is a 4xx: the request is bad)."""
+    """A server answered with an HTTP error (not retried when it is a 4xx: the request is bad), or
+    did not answer.
+
+    Attributes:
+        status: the HTTP status of the reply (e.g. 404), or None when no reply came (connection
+            refused, timeout, every retry failed) or the reply said ``success: false``.
+    """
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerTimeoutError(ServerError, TimeoutError):
@@ -32,6 +42,7 @@ class SGLangAdapter:
 
     name = "sglang"
     generate_endpoint = "/generate"
+    server_env: dict[str, str] = {}  # environment the server needs for the control endpoints (none)
 
     @staticmethod
     def build_request(input_ids: list[int], sampling_params: dict) -> dict:

@@ -59,7 +59,7 @@ _RID_CACHE_SIZE = 1024
 DEAD_SERVER_COOLDOWN = 30.0  # [s] a failed server gets no new requests for this long
 
 
-from arealite.inference.adapters import ADAPTERS, SGLangAdapter, ServerError, ServerTimeoutError, VLLMAdapter  # noqa: F401
+from arealite.inference.adapters import ADAPTERS, ServerError, ServerTimeoutError
 
 
 def post_json(address: str, endpoint: str, payload: dict | None = None, timeout: float = 60.0,
@@ -81,8 +81,8 @@ def post_json(address: str, endpoint: str, payload: dict | None = None, timeout:
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")
             if 400 <= e.code < 500:
-                raise ServerError(f"{url} answered {e.code}: {body}") from None
-            last = ServerError(f"{url} answered {e.code}: {body}")
+                raise ServerError(f"{url} answered {e.code}: {body}", status=e.code) from None
+            last = ServerError(f"{url} answered {e.code}: {body}", status=e.code)
         except (urllib.error.URLError, OSError, TimeoutError) as e:
             last = e
         if attempt + 1 < retries:
@@ -103,8 +103,8 @@ def post_control(adapter, address: str, request: tuple[str, dict], timeout: floa
     try:
         reply = adapter.control_reply(post_json(address, endpoint, body, timeout, retries))
     except ServerError as e:
-        if " answered 404" in str(e) and getattr(adapter, "server_env", None):
-            raise ServerError(f"{e}; start the server with {adapter.server_env} (launcher does it)") from None
+        if e.status == 404 and adapter.server_env:
+            raise ServerError(f"{e}; start the server with {adapter.server_env} (launcher does it)", status=404) from None
         raise
     if not reply.get("success", False):
         raise ServerError(f"{address}{endpoint} failed: {reply.get('message', reply)}")
@@ -185,6 +185,12 @@ class RemoteInferenceEngine(InferenceEngine):
         return [a for a in self.addresses
                 if self._dead_until[a] <= now and a not in self._excluded and a not in self.restarting]
 
+    @property
+    def excluded(self) -> frozenset[str]:
+        """The servers excluded for good (:meth:`exclude_servers`, a failed control call), until a
+        restart :meth:`readmit` s one."""
+        return frozenset(self._excluded)
+
     def mark_dead(self, addr: str) -> None:
         """Send no new requests to ``addr`` for ``DEAD_SERVER_COOLDOWN`` seconds."""
         self._dead_until[addr] = time.monotonic() + DEAD_SERVER_COOLDOWN
@@ -258,7 +264,7 @@ class RemoteInferenceEngine(InferenceEngine):
     async def _apost_once(self, addr: str, endpoint: str, payload: dict) -> dict:
         async with self._session().post(f"http://{addr}{endpoint}", json=payload) as resp:
             if 400 <= resp.status < 500:
-                raise ServerError(f"{addr}{endpoint} answered {resp.status}: {await resp.text()}")
+                raise ServerError(f"{addr}{endpoint} answered {resp.status}: {await resp.text()}", status=resp.status)
             resp.raise_for_status()
             return await resp.json()
 
@@ -314,7 +320,6 @@ class RemoteInferenceEngine(InferenceEngine):
                 ``request_timeout`` seconds each (plus backoff).
             ServerError: the server rejected the request (4xx) or failed repeatedly.
         """
-        start = time.perf_counter()
         gconfig = req.gconfig
         budget = gconfig.max_new_tokens
         resp = ModelResponse(input_tokens=list(req.input_ids))
@@ -336,7 +341,6 @@ class RemoteInferenceEngine(InferenceEngine):
                 break
         if resp.stop_reason == "abort":  # aborted exactly at the end of the budget
             resp.stop_reason = "length"
-        resp.latency = time.perf_counter() - start
         return resp
 
     # -- weight updates (called by trainer rank 0) --------------------------------------------------
@@ -363,7 +367,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 try:
                     replies.append(f.result())
                 except ServerError as e:
-                    if " answered 4" in str(e):
+                    if e.status is not None and 400 <= e.status < 500:  # a bad request: not the server's fault
                         raise
                     errors.append((a, e))
         # A server whose process the launcher restarts is caught up when it is back, not excluded.

@@ -235,6 +235,10 @@ def read_recipe_config(recipe: str, args: list[str], timeout: float = 600.0) -> 
                 msg = errors[-1].split("ConfigError: ", 1)[-1]
                 field_, _, rest = msg.partition(": ")
                 raise ConfigError(field_, rest)
+            usage = proc.stderr.strip().splitlines()[-1:] if proc.returncode == 2 else []
+            if usage and ": error: " in usage[0]:  # load_config's one line: "PROG: error: FIELD: why"
+                field_, _, rest = usage[0].split(": error: ", 1)[1].partition(": ")
+                raise ConfigError(field_, rest)
             raise RuntimeError(f"{recipe} failed while reading its config (exit {proc.returncode}):\n" + "\n".join(tail))
         with open(path) as f:
             return yaml.safe_load(f)
@@ -353,7 +357,8 @@ def wait_addresses(paths: list[str], timeout: float, alive: Callable[[], str | N
         TimeoutError: not all servers were healthy within ``timeout`` s (names the missing ones).
         RuntimeError: ``alive()`` reported a dead server.
     """
-    from arealite.inference.remote import ServerError, post_json
+    from arealite.inference.remote import post_json
+    from arealite.inference.adapters import ServerError
 
     deadline = time.monotonic() + timeout
     ready: dict[str, str] = {}

@@ -340,7 +340,7 @@ class ServerWatcher(threading.Thread):
         failed a call because nothing listens there any more."""
         if addr in self.engine.restarting:
             return True
-        if self.stopped.is_set() or addr in self.engine._excluded or not self._refused(addr):
+        if self.stopped.is_set() or addr in self.engine.excluded or not self._refused(addr):
             return False
         self._down(addr)
         return True
@@ -356,7 +356,7 @@ class ServerWatcher(threading.Thread):
         engine = self.engine
         while not self.stopped.wait(self.poll_s):
             self.awaiting_push &= engine.restarting  # readmitted by the push (update_weights)
-            for addr in [a for a in engine.addresses if a not in engine._excluded]:
+            for addr in [a for a in engine.addresses if a not in engine.excluded]:
                 refused = self._refused(addr)
                 if addr not in engine.restarting:
                     if refused:
@@ -406,7 +406,7 @@ class ServerFollower(ServerWatcher):
     def run(self) -> None:
         engine = self.engine
         while not self.stopped.wait(self.poll_s):
-            for addr in [a for a in engine.addresses if a not in engine._excluded]:
+            for addr in [a for a in engine.addresses if a not in engine.excluded]:
                 if addr not in engine.restarting:
                     if self._refused(addr):
                         self._down(addr)

@@ -44,6 +44,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from arealite.inference.remote import RemoteInferenceEngine
+
 logger = logging.getLogger("arealite.cores")
 
 
@@ -193,7 +195,8 @@ def core_sharing_for(rollout_config, num_threads: int, engine, world_size: int, 
     (``rollout.addresses`` empty) for a CPU trainer (``device`` is CPU), ``actor.num_threads`` is 0
     (an explicit thread count is kept), there is one trainer rank (a rank sees only its own
     requests, so with several ranks one rank's idle client would not mean idle servers), and the
-    engine can report ``requests_in_flight``. ``base`` is the static split
+    engine is the servers' HTTP client (:class:`~arealite.inference.remote.RemoteInferenceEngine`, which
+    reports ``requests_in_flight``). ``base`` is the static split
     (:func:`arealite.launcher.local.trainer_threads`), ``extra`` the servers' threads, capped at the
     cores of the machine. With our server (``rollout.backend=local``) ``lend`` gives each server
     ``server_threads + base // n_servers`` threads while the trainer waits (none when that adds 0).
@@ -201,7 +204,7 @@ def core_sharing_for(rollout_config, num_threads: int, engine, world_size: int, 
     from arealite.launcher.local import trainer_threads
 
     if (not rollout_config.share_idle_cores or rollout_config.addresses or num_threads or world_size != 1
-            or device.type != "cpu" or not hasattr(engine, "requests_in_flight")):
+            or device.type != "cpu" or not isinstance(engine, RemoteInferenceEngine)):
         return None
     base = trainer_threads(rollout_config, world_size)
     cores = cpu_count or os.cpu_count() or 1
@@ -209,8 +212,9 @@ def core_sharing_for(rollout_config, num_threads: int, engine, world_size: int, 
     if extra <= 0:
         return None
     own, add = rollout_config.server_threads, base // rollout_config.n_servers
-    lend = None
-    if rollout_config.backend == "local" and add > 0 and hasattr(engine, "set_server_threads"):
-        def lend(on: bool) -> None:
-            engine.set_server_threads(own + add if on else own)
-    return CoreSharing(base, extra, lambda: engine.requests_in_flight() > 0, lend=lend)
+
+    def lend(on: bool) -> None:  # only our server changes its thread count on request
+        engine.set_server_threads(own + add if on else own)
+
+    return CoreSharing(base, extra, lambda: engine.requests_in_flight() > 0,
+                       lend=lend if rollout_config.backend == "local" and add > 0 else None)

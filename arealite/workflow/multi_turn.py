@@ -40,6 +40,7 @@ from arealite.reward.math import math_reward
 from arealite.reward.worker import RewardWorker
 from arealite.utils.data import pad_and_stack
 from arealite.utils.hf import tokenize_chat
+from arealite.workflow.reward_owner import OwnsRewardWorker
 
 _PROBE = [{"role": "user", "content": "\x00probe-user\x00"}, {"role": "assistant", "content": "\x00probe-reply\x00"}]
 
@@ -264,10 +265,10 @@ class MathFeedbackEnv(Environment):
         return StepResult(messages=[{"role": "user", "content": self.feedback}], reward=0.0)
 
 
-class MultiTurnMathWorkflow(MultiTurnWorkflow):
+class MultiTurnMathWorkflow(OwnsRewardWorker, MultiTurnWorkflow):
     """:class:`MultiTurnWorkflow` on :class:`MathFeedbackEnv` (recipes/multi_turn_math.py).
 
-    Owns ``reward_worker`` (close it at the end, like :class:`~arealite.workflow.rlvr.RLVRWorkflow`).
+    Owns ``reward_worker`` (:meth:`close` kills it, like :class:`~arealite.workflow.rlvr.RLVRWorkflow`).
     """
 
     def __init__(self, gconfig: GenerationConfig, tokenizer, max_turns: int = 2, turn_discount: float = 0.9,
@@ -275,6 +276,7 @@ class MultiTurnMathWorkflow(MultiTurnWorkflow):
         super().__init__(lambda data: MathFeedbackEnv(self.reward_worker), gconfig, tokenizer, max_turns,
                          turn_discount, max_context_tokens, dump_dir=dump_dir)
         self.reward_worker = RewardWorker(timeout=reward_timeout)
+        self.reward_fn = math_reward  # what the worker runs (OwnsRewardWorker.start imports it early)
 
 
 async def summarize_episodes(run_one: Callable, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -24,6 +24,7 @@ from arealite.api.workflow import RolloutWorkflow
 from arealite.reward.worker import RewardWorker
 from arealite.utils.data import pad_and_stack
 from arealite.utils.hf import tokenize_chat
+from arealite.workflow.reward_owner import OwnsRewardWorker
 
 
 def build_trajectories(resps: list[ModelResponse], rewards: list[float]) -> dict[str, torch.Tensor]:
@@ -57,7 +58,7 @@ def build_trajectories(resps: list[ModelResponse], rewards: list[float]) -> dict
     }
 
 
-class RLVRWorkflow(RolloutWorkflow):
+class RLVRWorkflow(OwnsRewardWorker, RolloutWorkflow):
     """Single-turn RL with a verifiable reward.
 
     Args:

@@ -27,6 +27,7 @@ from arealite.reward.math import math_reward
 from arealite.reward.worker import RewardWorker
 from arealite.sandbox import SandboxConfig, arun_python, resolve_mode
 from arealite.workflow.multi_turn import MultiTurnWorkflow
+from arealite.workflow.reward_owner import OwnsRewardWorker
 
 logger = logging.getLogger("arealite.tool_agent")
 
@@ -102,11 +103,11 @@ class PythonToolMathEnv(Environment):
                           info={"tool_calls": 1, "tool_errors": int(not result.ok)})
 
 
-class ToolAgentMathWorkflow(MultiTurnWorkflow):
+class ToolAgentMathWorkflow(OwnsRewardWorker, MultiTurnWorkflow):
     """:class:`MultiTurnWorkflow` on :class:`PythonToolMathEnv`, code turns cut after the block.
 
     ``max_turns`` counts every model turn (code turns and the answer); ``turn_discount`` defaults
-    to 1 (tool calls are not penalised). Owns ``reward_worker`` (close it at the end).
+    to 1 (tool calls are not penalised). Owns ``reward_worker`` (:meth:`close` kills it).
     """
 
     def __init__(self, gconfig: GenerationConfig, tokenizer, max_turns: int = 3, turn_discount: float = 1.0,
@@ -120,3 +121,4 @@ class ToolAgentMathWorkflow(MultiTurnWorkflow):
                          max_turns, turn_discount, max_context_tokens, truncate_fn=truncate_after_code,
                          dump_dir=dump_dir)
         self.reward_worker = RewardWorker(timeout=reward_timeout)
+        self.reward_fn = math_reward  # what the worker runs (OwnsRewardWorker.start imports it early)
