@@ -225,3 +225,15 @@ def test_agent_recipe_through_the_ray_launcher(cluster, tiny_model_dir, tmp_path
         assert s["workflow/failed"] == 0 and s["workflow/timed_out"] == 0 and s["workflow/episodes"] >= 4 * (s["step"] + 1)
     assert "[server0]" in log and "[trainer0] step 2/2" in log
     assert os.path.exists(out / "final" / "config.json")
+
+
+def test_bad_recipe_value_through_the_ray_launcher_is_one_error_naming_the_field(cluster, tiny_model_dir, tmp_path):
+    """The recipe rejects its config while the launcher reads it (2 ranks cannot split a batch of 3):
+    exit 2 with the field and the fix, no traceback, nothing started or written."""
+    c, _, _ = cluster
+    rc, log = _ray(c.address, "recipes/sft_math.py", ["--actor.path", tiny_model_dir, "--fileroot", str(tmp_path),
+                                                      "--train_dataset.batch_size", "3", "--launcher.trainer_ranks", "2"],
+                   str(tmp_path), timeout=120)
+    assert rc == 2, log[-3000:]
+    assert "arealite.launcher.ray: error: train_dataset.batch_size: 3 is not divisible by the 2 trainer ranks" in log
+    assert "Traceback" not in log and not (tmp_path / "sft_math").exists()
