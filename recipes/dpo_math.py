@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=1 recipes/dpo_math.py --mode online     # embedded arithmetic task
     python recipes/dpo_math.py --mode offline --train_dataset.path pairs.jsonl   # prompt/chosen/rejected
     python recipes/dpo_math.py --config recipes/configs/dpo_math_online.yaml
+    python -m arealite.launcher.ray recipes/dpo_math.py --mode offline --launcher.trainer_ranks 2   # or .slurm
 
 Offline: each step takes ``train_dataset.batch_size`` pairs from the file (None = embedded
 arithmetic pairs) → DPO update (frozen reference = the initial weights) → log; the loop is
@@ -12,7 +13,9 @@ policy, the reward (``reward_fn``) picks a (best, worst) pair (prompts without o
 and each step takes ``rollout.consumer_batch_size`` pairs — generated asynchronously, at most
 ``rollout.max_head_offpolicyness`` versions old — → DPO update → weight sync; the loop is
 :func:`arealite.trainer.rl_loop.run_rl`. Both: logprobs at temperature 1 (the models' own
-likelihoods), recover checkpoints, held-out greedy accuracy at the start and end.
+likelihoods), recover checkpoints, held-out greedy accuracy at the start and end. The config
+comes from :func:`arealite.trainer.entry.load_run_config`; under the Ray and Slurm launchers an
+offline run starts only the trainer ranks, an online run its servers too.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ One episode = up to ``agent.max_turns`` model turns against
 when solved, else 0. The trajectory is token-in token-out (sampled ids + tokenised feedback,
 feedback masked out of the loss). The loop is :func:`arealite.trainer.rl_loop.run_rl` (recover,
 dynamic sampling, evaluation and logging as in every RL recipe; ``rollout/turns`` is logged).
+The config comes from :func:`arealite.trainer.entry.load_run_config`, so the recipe runs
+unchanged under ``python -m arealite.launcher.ray|slurm`` (docs/cluster.md).
 """
 
 from __future__ import annotations

@@ -2,13 +2,16 @@
 
     torchrun --nproc_per_node=1 recipes/sft_math.py            # embedded arithmetic task (CPU is fine)
     python recipes/sft_math.py --config recipes/configs/sft_gsm8k.yaml   # GSM8K solutions
+    python -m arealite.launcher.ray recipes/sft_math.py --launcher.trainer_ranks 2   # Ray (or .slurm)
 
 Per step: a batch of (prompt, response) rows → next-token loss on the response tokens
 (token-mean over the global batch) → one AdamW step → log; every ``eval_freq_steps`` the
 held-out token-mean NLL on ``valid_dataset``. The loop is
 :func:`arealite.trainer.offline_loop.run_offline` (data position and recover checkpoints as in
 the RL loop). Outputs under ``fileroot/experiment_name/trial_name/``: ``stats.jsonl``,
-``tensorboard/``, ``final/`` (HF checkpoint, loads with ``from_pretrained``).
+``tensorboard/``, ``final/`` (HF checkpoint, loads with ``from_pretrained``). The config comes
+from :func:`arealite.trainer.entry.load_run_config` (``uses_servers=False``): under the Ray and
+Slurm launchers only the trainer ranks are started, no inference server.
 """
 
 from __future__ import annotations

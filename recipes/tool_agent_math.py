@@ -8,6 +8,8 @@ The model may write a ```python block; it runs in :mod:`arealite.sandbox` (limit
 and its output comes back as a message; a turn without code is the final answer, scored by the
 math reward (:mod:`arealite.workflow.tool_agent`). The loop is
 :func:`arealite.trainer.rl_loop.run_rl`; ``rollouts/rollouts.jsonl`` has ``info.tool_calls``.
+The config comes from :func:`arealite.trainer.entry.load_run_config`, so the recipe runs
+unchanged under ``python -m arealite.launcher.ray|slurm`` (docs/cluster.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The supervised training loop (SFT, offline DPO): batches from a fixed dataset, no rollouts.
 
-    from arealite.trainer.offline_loop import run_offline
+    from arealite.trainer.entry import load_run_config
+    from arealite.trainer.offline_loop import prepare_offline, run_offline
+    config = load_run_config(SFTConfig, argv, uses_servers=False)   # the one config door (cluster launchers too)
     model_path, tokenizer, recover_path = prepare_offline(config, rank)
     run_offline(config, model_path, recover_path, train_rows, collate, build_algorithm, evaluate)
 

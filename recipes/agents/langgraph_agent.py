@@ -5,6 +5,8 @@
 The graph answers, checks the answer, and on a wrong one adds feedback and answers again (at
 most two answers). ``ChatOpenAI`` is pointed at the session's ``base_url`` / ``api_key``; the
 graph's messages go back to the proxy unchanged, so each episode is one token-exact trajectory.
+Like every recipe it gets its config from :func:`arealite.trainer.entry.load_run_config`, so it
+runs unchanged under ``python -m arealite.launcher.ray|slurm`` (docs/cluster.md).
 """
 
 import sys

@@ -8,7 +8,9 @@ Program of thought (Chen et al. 2022, arXiv 2211.12588): the system prompt descr
 reply with a ```python block is run in `arealite.sandbox` and what it prints is the answer; a
 reply without code is its own answer. Reward 1 if the answer's last integer is the exact product
 (`multiplication_reward`). `--eval-only` prints the greedy held-out success of `actor.path`
-(`--no-tool`: the bare question, no tool).
+(`--no-tool`: the bare question, no tool). Like every recipe it gets its config from
+`arealite.trainer.entry.load_run_config`, so it runs unchanged under
+`python -m arealite.launcher.ray|slurm` (docs/cluster.md).
 """
 
 from __future__ import annotations

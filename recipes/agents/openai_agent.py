@@ -6,6 +6,8 @@
 Training runs this same file with ``--agent`` once per episode: the proxy's session URL and key
 come in ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, the data row as JSON on stdin, and the agent
 posts its reward to ``AREALITE_REWARD_URL`` (any language can do this: it is plain HTTP).
+Like every recipe it gets its config from :func:`arealite.trainer.entry.load_run_config`, so it
+runs unchanged under ``python -m arealite.launcher.ray|slurm`` (docs/cluster.md).
 """
 
 import json

@@ -7,7 +7,8 @@ The SDK talks Chat Completions to the proxy (``OpenAIChatCompletionsModel`` on a
 client); the proxy describes the tool in the system prompt (SmolLM2's chat template ignores
 ``tools``) and parses ``<tool_call>{...}</tool_call>`` replies into tool calls; the tool's result
 comes back as a ``tool`` message, masked out of the loss. Reward: the workflow's ``reward_fn`` on
-the last reply (exact product).
+the last reply (exact product). Like every recipe it gets its config from :func:`arealite.trainer.entry.load_run_config`, so it
+runs unchanged under ``python -m arealite.launcher.ray|slurm`` (docs/cluster.md).
 """
 
 import sys
