@@ -6,9 +6,10 @@
         --gconfig.max_new_tokens 256 --actor.path /models/Qwen2.5-0.5B-Instruct
 
 A recipe is two builders — the algorithm and the rollout workflow — and a call of the one RL
-loop, :func:`arealite.trainer.rl_loop.run_rl` (read it top to bottom: per step, take a batch of
-finished rollouts, at most ``rollout.max_head_offpolicyness`` versions old → ``algo.update`` →
-push the new weights to the inference servers → log). Every RL recipe (GSPO, PPO, online DPO,
+loop, :func:`arealite.trainer.rl_loop.main` → ``run_rl`` → :func:`arealite.trainer.rl_loop.train`,
+the step loop (read it top to bottom: per step, take a batch of finished rollouts, at most
+``rollout.max_head_offpolicyness`` versions old → ``algo.update`` → push the new weights to the
+inference servers → log). ``recipes/grpo_custom_loop.py`` writes that loop out, to change the step. Every RL recipe (GSPO, PPO, online DPO,
 multi-turn, tool agent, custom agents) is this file with other builders. Outputs under
 ``fileroot/experiment_name/trial_name/``: ``stats.jsonl``, ``tensorboard/``,
 ``rollouts/rollouts.jsonl``, ``final/`` (HF checkpoint), server logs, and with
