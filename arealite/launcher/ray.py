@@ -14,10 +14,11 @@ The recipe file is unchanged: this launcher plays ``torchrun`` and the local ser
    and one per server, each pinned to its planned node (``bundle_label_selector`` on
    ``ray.io/node-id``). A group not placed within ``launcher.placement_timeout`` is an error that
    says what the cluster has, never a silent pending state.
-2. Servers (none for a recipe that uses none: SFT, offline DPO): one :class:`ServerActor` per server runs the server process (ours, vLLM or SGLang)
-   on its node's address and writes ``host:port`` to ``<output_dir>/servers/server{i}.addr``. If
-   the process dies the actor exits and Ray restarts it (``rollout.max_server_restarts`` times)
-   in the same bundle, on the same port; trainer rank 0 sees the server come back, loads it with
+2. Servers (none for a recipe that uses none: SFT, offline DPO): one :class:`ServerActor` per
+   server runs the server process (ours, vLLM or SGLang) on its node's address and writes
+   ``host:port`` to ``<output_dir>/servers/server{i}.addr``. If the process dies the actor exits
+   and Ray restarts it (``rollout.max_server_restarts`` times) in the same bundle, on the same
+   port; trainer rank 0 sees the server come back, loads it with
    the current weights and version, and readmits it (:class:`~arealite.launcher.local.ServerWatcher`).
 3. Trainers: one :class:`TrainerActor` per rank runs ``python RECIPE ... --rollout.addresses ...``
    with the ``torch.distributed`` environment (``MASTER_ADDR`` = rank 0's node, gloo on CPU,
