@@ -13,8 +13,10 @@ validates the config for ``launcher.trainer_ranks`` ranks, checks the model (its
 and, with a ``gconfig``, the chat template and context length), writes the config there as YAML
 and ends the process with ``SystemExit(0)`` — nothing is trained, loaded or written under
 ``fileroot``. A recipe that gets its config here therefore works unchanged under torchrun, Ray
-and Slurm. :func:`arealite.trainer.rl_loop.main` is meant to be
-``run_rl(load_run_config(config_cls, argv), build_algorithm, build_workflow)``.
+and Slurm. :func:`arealite.trainer.rl_loop.main` is
+``run_rl(load_run_config(config_cls, argv), build_algorithm, build_workflow)``; the offline
+recipes (SFT, DPO) call it with ``uses_servers`` and then the offline loop
+(:mod:`arealite.trainer.offline_loop`).
 """
 
 from __future__ import annotations
