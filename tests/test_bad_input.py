@@ -8,7 +8,6 @@ cases: a bad value on the command line is one line on stderr and exit status 2 (
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from arealite.api.cli import ConfigError, check_model_fits, load_config, validat
 from arealite.api.config import (DatasetConfig, DPOConfig, GenerationConfig, GRPOConfig, InferenceEngineConfig,
                                  MultiTurnGRPOConfig, PPOConfig, SFTConfig, ToolAgentGRPOConfig)
 from arealite.dataset.math_data import load_dataset
+from arealite.utils.proc import free_port
 
 # ---------------------------------------------------------------------------------------------
 # Config: YAML (types and ranges), command line, cross-field rules
@@ -226,15 +226,9 @@ def test_model_folder_without_readable_config_names_actor_path(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # HTTP requests to `python -m arealite.server`
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("srv") / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", tiny_model_dir,
                              "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
@@ -311,7 +305,7 @@ def test_oversized_body_is_refused_and_the_server_keeps_serving(server):
 def test_unreachable_server_address_names_rollout_addresses():
     from arealite.inference.remote import RemoteInferenceEngine
 
-    addr = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
     eng = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=1.0), [addr])
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"inference server {addr} not healthy.*rollout\.addresses"):

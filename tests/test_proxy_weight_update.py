@@ -9,7 +9,6 @@ middle of a two-turn session, while a second session's first call arrives during
 
 import asyncio
 import os
-import socket
 import subprocess
 
 import aiohttp
@@ -21,6 +20,7 @@ from arealite.agent.proxy import TrainingProxy
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import WeightUpdateMeta
 from arealite.inference.remote import RemoteInferenceEngine, wait_healthy
+from arealite.utils.proc import free_port
 from conftest import REPO_ROOT, save_tiny_model
 from slow_server import command as slow_server_command
 
@@ -32,9 +32,7 @@ def slow_server(tiny_model_dir, tmp_path_factory):
     """One of our servers on the tiny model (seed 0), >= 10 ms per decode step; yields
     ``(address, model_b)`` with ``model_b`` another tiny model (seed 1) to update to."""
     model_b = save_tiny_model(str(tmp_path_factory.mktemp("proxy_update") / "b"), seed=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(slow_server_command(0.01, "--model-path", tiny_model_dir, "--port", str(port),
                                                 "--seed", "1"),

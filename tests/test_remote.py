@@ -12,7 +12,6 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -25,17 +24,12 @@ from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.inference.remote import RemoteInferenceEngine, wait_healthy
 from arealite.inference.adapters import ServerError, ServerTimeoutError
+from arealite.utils.proc import free_port
 
 from conftest import save_tiny_model
 import slow_server
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(engine, coro_fn):
@@ -77,7 +71,7 @@ def fake_sglang():
         return web.json_response({"status": "ok"})
 
     bg = _Background()
-    port = _free_port()
+    port = free_port()
 
     async def start():
         app = web.Application()
@@ -98,7 +92,7 @@ def fake_sglang():
 def stalled_server():
     """Accepts TCP connections, reads, and never answers. Yields its address."""
     bg = _Background()
-    port = _free_port()
+    port = free_port()
 
     async def handle(reader, writer):
         await asyncio.sleep(3600)
@@ -261,7 +255,7 @@ def test_stalled_server_next_to_a_live_one_fails_over(stalled_server, fake_sglan
 
 def test_unreachable_server_fails_fast_with_a_clear_error():
     cfg = InferenceEngineConfig(request_timeout=5.0, request_retries=2)
-    engine = RemoteInferenceEngine(cfg, [f"127.0.0.1:{_free_port()}"])
+    engine = RemoteInferenceEngine(cfg, [f"127.0.0.1:{free_port()}"])
     with pytest.raises(ServerError, match="request_retries=2"):
         _run(engine, lambda: engine.agenerate(ModelRequest(input_ids=[1, 2])))
 
@@ -284,7 +278,7 @@ def real_servers(tmp_path_factory, tiny_model_dir):
                PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs, addrs = [], []
     for i in range(2):
-        port = _free_port()
+        port = free_port()
         procs.append(subprocess.Popen(
             slow_server.command(0.01, "--model-path", model_a, "--port", str(port), "--seed", str(i + 1)),
             cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -6,7 +6,6 @@ in this process (``model.generate`` or a teacher-forced forward).
 
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -20,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from arealite.server.protocol import SamplingParams, parse_generate_request
 from arealite.server.sampling import sample_next_tokens
+from arealite.utils.proc import free_port
 import slow_server
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,16 +49,10 @@ def models(tmp_path_factory):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(models):
     """Base URL of a running server on model "a"; killed at teardown."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         # >= 5 ms per decode step: 200 tokens take >= 1 s, so a pause at 0.5 s lands mid-way.

@@ -22,10 +22,11 @@ from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.inference.remote import RemoteInferenceEngine, post_json, wait_healthy
 from arealite.inference.adapters import ServerError
 from arealite.launcher.local import ServerFollower, ServerWatcher
+from arealite.utils.proc import free_port
 
 from conftest import save_tiny_model
 import slow_server
-from test_remote import _free_port, _teacher_forced
+from test_remote import _teacher_forced
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +63,7 @@ def test_rank1_requests_wait_for_the_restart_and_its_catch_up(two_models):
     from transformers import AutoModelForCausalLM
 
     model_v0, model_v1 = two_models
-    port = _free_port()
+    port = free_port()
     addr = f"127.0.0.1:{port}"
     proc = _start(model_v0, port)
     cfg = InferenceEngineConfig(request_timeout=60, request_retries=3, setup_timeout=90, max_server_restarts=1)
@@ -115,7 +116,7 @@ def test_rank1_never_uses_a_restarted_server_that_was_not_caught_up(two_models):
     follower keeps it out and excludes it after ``rollout.setup_timeout``; the request fails
     with a clear error instead of getting version-0 tokens."""
     model_v0, _ = two_models
-    port = _free_port()
+    port = free_port()
     addr = f"127.0.0.1:{port}"
     proc = _start(model_v0, port)
     cfg = InferenceEngineConfig(request_timeout=30, request_retries=2, setup_timeout=8, max_server_restarts=1)

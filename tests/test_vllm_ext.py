@@ -26,7 +26,8 @@ from arealite.inference.remote import post_control, post_json
 from arealite.inference.adapters import ServerError, VLLMAdapter
 from arealite.server.vllm_ext import WeightUpdateExtension
 from arealite.api.weight_update import dtype_name
-from arealite.weights.sync import _free_port, broadcast_tensor, broadcast_weights, iter_buckets, new_weight_update_group
+from arealite.weights.sync import broadcast_tensor, broadcast_weights, iter_buckets, new_weight_update_group
+from arealite.utils.proc import free_port
 
 from conftest import save_tiny_model
 
@@ -150,7 +151,7 @@ def _push(addr, group, sender_hf, group_name, version, bucket_bytes, stop_after=
 
 
 def _join(addr, group_name, world=3):
-    port = _free_port()
+    port = free_port("")  # a process-group master
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(post_control, VLLMAdapter, addr,
                             VLLMAdapter.init_group_request("127.0.0.1", port, 1, world, group_name, "gloo"), 60)

@@ -43,6 +43,7 @@ from arealite.api.config import GenerationConfig, InferenceEngineConfig  # noqa:
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta  # noqa: E402
 from arealite.inference.remote import RemoteInferenceEngine, post_control, post_json  # noqa: E402
 from arealite.inference.adapters import VLLMAdapter
+from arealite.utils.proc import free_port
 
 PROMPT = [1, 504, 3458, 314, 253, 1234, 9, 88, 777, 42, 1001, 17]
 TOL = 1e-4
@@ -237,11 +238,11 @@ SENDER = textwrap.dedent('''
 
 
 def test_sender_dying_half_way_leaves_the_old_version(on_model_a, models, tmp_path):
-    from arealite.weights.sync import _free_port, broadcast_weights
+    from arealite.weights.sync import broadcast_weights
 
     addr = on_model_a
     pause(addr)
-    proc = subprocess.run([sys.executable, "-c", SENDER, addr, models["B"], str(_free_port())],
+    proc = subprocess.run([sys.executable, "-c", SENDER, addr, models["B"], str(free_port(""))],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert proc.returncode == 1 and "dying" in proc.stdout, proc.stderr[-3000:]

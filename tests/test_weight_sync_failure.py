@@ -27,7 +27,8 @@ from arealite.train_engine.fsdp import FSDPEngine
 from arealite.inference.remote import RemoteInferenceEngine, post_json, wait_healthy
 from arealite.inference.adapters import ServerError
 from arealite.weights.sync import WeightSyncError
-from arealite.launcher.local import _free_port, server_command
+from arealite.launcher.local import server_command
+from arealite.utils.proc import free_port
 
 from conftest import save_tiny_model
 
@@ -52,7 +53,7 @@ def setup(tmp_path_factory, tiny_model_dir):
     # Started here (not by launch_servers) so that the test holds the process handles.
     procs, addrs = [], []
     for i in range(2):
-        port = _free_port()
+        port = free_port()
         with open(root / f"server{i}.log", "w") as log:
             procs.append(subprocess.Popen(server_command(cfg, model_a, port, 1 + i), stdout=log,
                                           stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1")))
@@ -167,7 +168,7 @@ def test_every_rank_raises_when_rank0_cannot_push(tiny_model_dir, tmp_path):
     (which only all-gathers) must learn it and raise too instead of hanging."""
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), tiny_model_dir, dead], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

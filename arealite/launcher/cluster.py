@@ -38,6 +38,7 @@ import yaml
 
 from arealite.api.cli import ConfigError, from_dict, validate_config
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
+from arealite.utils.proc import free_port  # noqa: F401 - ray.py and slurm.py import it from here
 
 CONFIG_DUMP_ENV = "AREALITE_CONFIG_DUMP"  # trainer/entry.py::load_run_config writes the validated config here and exits
 
@@ -328,12 +329,6 @@ def port_free(host: str, port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def node_address() -> str:

@@ -47,6 +47,7 @@ from arealite.api.config import InferenceEngineConfig
 from arealite.inference.adapters import VLLMAdapter
 from arealite.inference.adapters import ServerError
 from arealite.inference.remote import RemoteInferenceEngine, post_control, post_json, wait_healthy
+from arealite.utils.proc import free_port
 
 logger = logging.getLogger("arealite.launcher")
 
@@ -55,12 +56,6 @@ def trainer_threads(config: InferenceEngineConfig, world_size: int) -> int:
     """Torch threads per trainer rank: cores not used by local servers, split over ranks (≥ 1)."""
     servers = 0 if config.addresses else config.n_servers * config.server_threads
     return max(1, ((os.cpu_count() or 1) - servers) // world_size)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _PACKAGES = {"sglang": "sglang", "vllm": "vllm"}
@@ -458,7 +453,7 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
     os.makedirs(log_dir, exist_ok=True)
     procs, addresses = [], []
     for i in range(config.n_servers):
-        port = _free_port()
+        port = free_port()
         cmd = server_command(config, model_path, port, seed + i)
         env = dict(os.environ, OMP_NUM_THREADS=str(config.server_threads), **server_env(config.backend))
         if gpus is not None:

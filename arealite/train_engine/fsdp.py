@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 from typing import Callable
 
@@ -58,6 +57,7 @@ from arealite.train_engine.packing import (pack_sequences, packed_layout, prompt
                                      split_microbatches, unit_length)
 from arealite.utils import trace
 from arealite.utils.data import trim_padding
+from arealite.utils.proc import free_port
 
 logger = logging.getLogger("arealite.fsdp")
 
@@ -71,9 +71,7 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("", 0))  # the wildcard address, as TCPStore binds: a port free on every interface
-            port = s.getsockname()[1]
+        port = free_port("")  # the wildcard address, as TCPStore binds: free on every interface
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

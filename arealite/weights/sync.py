@@ -48,6 +48,7 @@ import torch.distributed as dist
 from arealite.api.weight_update import DEFAULT_GROUP_NAME, UpdateBucket
 from arealite.inference.adapters import SGLangAdapter, ServerError
 from arealite.inference.remote import post_control, post_json
+from arealite.utils.proc import free_port
 from arealite.weights.group import WeightUpdateGroup, broadcast_tensor, new_weight_update_group
 
 logger = logging.getLogger("arealite.weight_sync")
@@ -69,12 +70,6 @@ class WeightSyncError(ServerError):
 
 
 # ----------------------------------------------------------------------------- trainer side
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _master_address(addresses: list[str]) -> str:
@@ -145,7 +140,7 @@ def init_group(addresses: list[str], backend: str, tp_size: int = 1,
     key = (tuple(addresses), group_name)
     if key in _GROUPS:
         return _GROUPS[key]
-    master, port = _master_address(addresses), _free_port()
+    master, port = _master_address(addresses), free_port("")
     world = len(addresses) * tp_size + 1
 
     def post_all():  # concurrently: each call returns only once every rank has joined
