@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+from arealite.algorithms.grpo import with_surrogate
 from arealite.algorithms.ppo import PPO
 from arealite.api.config import PPOConfig
 from arealite.train_engine.fsdp import FSDPCriticEngine
@@ -27,8 +28,8 @@ def build_ppo(config: PPOConfig, actor, ref) -> PPO:
     """Build and load the critic engine (``--critic.*``), then PPO on actor + critic (+ ref)."""
     critic = FSDPCriticEngine(config.critic)
     critic.initialize(resolve_model_path(config.critic.path or config.actor.path), config.total_train_steps)
-    return PPO(config.algo, actor, critic, group_size=config.gconfig.n_samples, ref=ref,
-               max_new_tokens=config.gconfig.max_new_tokens)
+    return with_surrogate(PPO, config.algo.loss)(config.algo, actor, critic, group_size=config.gconfig.n_samples,
+                                                 ref=ref, max_new_tokens=config.gconfig.max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> dict:

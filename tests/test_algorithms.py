@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from arealite.algorithms import corrections as C
 from arealite.algorithms import functional as F
 from arealite.algorithms.grpo import GRPO, should_accept
 from arealite.algorithms.gspo import GSPO
@@ -17,10 +18,15 @@ from arealite.api.config import GRPOAlgoConfig, GSPOAlgoConfig, ReinforcePPAlgoC
 MODES = F.LOSS_AGG_MODES
 
 
-def _ppo_token_mean(logp, prox, behav, adv, mask, **kw):
-    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default
-    aggregation): (scalar loss, stats of :func:`F.ppo_loss_per_token`)."""
-    loss, _, stats = F.ppo_loss_per_token(logp - prox, prox, behav, adv, mask, **kw)
+def _ppo_token_mean(logp, prox, behav, adv, mask, behav_imp_weight_cap=None, **kw):
+    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default aggregation,
+    pre-mask denominator) with the default ``cap`` correction: (scalar loss, stats of
+    :func:`F.ppo_loss_per_token` plus ``importance_weight`` (mean w over the kept tokens) and
+    ``masked_by_cap``)."""
+    corr = C.behaviour_correction(prox, behav, mask, "cap", upper=behav_imp_weight_cap)
+    loss, stats = F.ppo_loss_per_token(logp - prox, adv, corr.keep, corr.weight, **kw)
+    stats.update(importance_weight=F.masked_mean(corr.weight, corr.keep),
+                 masked_by_cap=((mask > 0) & ~corr.keep).float().sum())
     return F.agg_loss(loss, mask, "token-mean"), stats
 
 

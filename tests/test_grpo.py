@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from arealite.algorithms import corrections as C
 from arealite.algorithms import functional as F
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import GRPOAlgoConfig
@@ -12,10 +13,15 @@ from arealite.api.io_struct import ModelResponse
 from arealite.workflow.rlvr import build_trajectories
 
 
-def _ppo_token_mean(logp, prox, behav, adv, mask, **kw):
-    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default
-    aggregation): (scalar loss, stats of :func:`F.ppo_loss_per_token`)."""
-    loss, _, stats = F.ppo_loss_per_token(logp - prox, prox, behav, adv, mask, **kw)
+def _ppo_token_mean(logp, prox, behav, adv, mask, behav_imp_weight_cap=None, **kw):
+    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default aggregation,
+    pre-mask denominator) with the default ``cap`` correction: (scalar loss, stats of
+    :func:`F.ppo_loss_per_token` plus ``importance_weight`` (mean w over the kept tokens) and
+    ``masked_by_cap``)."""
+    corr = C.behaviour_correction(prox, behav, mask, "cap", upper=behav_imp_weight_cap)
+    loss, stats = F.ppo_loss_per_token(logp - prox, adv, corr.keep, corr.weight, **kw)
+    stats.update(importance_weight=F.masked_mean(corr.weight, corr.keep),
+                 masked_by_cap=((mask > 0) & ~corr.keep).float().sum())
     return F.agg_loss(loss, mask, "token-mean"), stats
 
 

@@ -438,49 +438,47 @@ def sequence_log_ratio(logprobs: torch.Tensor, prox_logp: torch.Tensor, loss_mas
 
 def ppo_loss_per_token(
     log_ratio: torch.Tensor,
-    prox_logp: torch.Tensor,
-    behav_logp: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
+    behav_weight: torch.Tensor | None = None,
     eps_clip: float = 0.2,
     eps_clip_high: float | None = None,
-    behav_imp_weight_cap: float | None = None,
     c_clip: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token decoupled PPO clipped surrogate (AReaL Eq. 5, DAPO clip-higher, dual clip).
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token decoupled PPO clipped surrogate (AReaL arXiv 2505.24298 Eq. 5, DAPO clip-higher,
+    dual clip).
 
     With ``r = exp(log_ratio)`` (π_θ/π_prox; GSPO passes :func:`sequence_log_ratio`) and the
-    behaviour weight ``w = exp(prox_logp - behav_logp)``::
+    behaviour-correction weight ``w`` (:func:`arealite.algorithms.corrections.behaviour_correction`,
+    e.g. ρ = π_prox/π_behav, 0 where the correction masks a token)::
 
         ℓ_t = w · max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_high))
         ℓ_t = w · min(ℓ_t / w, -A · c_clip)      if c_clip and A < 0   (dual clip, Ye et al.
                                                    2020, arXiv 1912.09729, Eq. 5; c_clip > 1)
 
-    Tokens with ``w > behav_imp_weight_cap`` are dropped (AReaL-lite): ℓ = 0 and gradient 0.
-
     Args:
         log_ratio: [B, T] float32 log π_θ - log π_prox, with grad.
-        prox_logp, behav_logp, advantages: [B, T] float32, no grad.
-        loss_mask: [B, T] 0/1.
+        advantages: [B, T] float32, no grad.
+        loss_mask: [B, T] 0/1: the tokens that carry a loss (generated and kept by the correction).
+        behav_weight: [B, T] float32 detached, or None (= 1).
 
     Returns:
-        (ℓ [B, T] float32, exactly 0 at masked or capped positions; ``kept`` [B, T] bool, the
-        loss tokens not dropped by the cap; stats dict of detached scalars ``clip_frac``,
-        ``dual_clip_frac``, ``importance_weight`` (mean w) with ``importance_weight_max``/``_min``,
-        ``approx_kl`` (mean -log_ratio: k1 of KL(π_prox‖π_θ)), ``approx_kl_behav`` (k1 of KL(π_behav‖π_θ)),
-        ``masked_by_cap`` (count)).
+        (ℓ [B, T] float32, exactly 0 where ``loss_mask`` is 0 (value and gradient); stats dict of
+        detached scalars over the loss tokens: ``clip_frac``, ``dual_clip_frac``, ``approx_kl``
+        (mean -log_ratio: k1 of KL(π_prox‖π_θ))). Aggregate ℓ over the *pre-mask* loss mask
+        (:func:`agg_loss`): masked tokens then count as zero-loss tokens.
+
+    Raises:
+        ValueError: ``c_clip`` ≤ 1.
     """
     if c_clip is not None and c_clip <= 1.0:
         raise ValueError(f"algo.c_clip must be > 1 (dual-clip bound), got {c_clip}; None disables it")
-    mask = loss_mask > 0
+    kept = loss_mask > 0
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    behav_w = torch.exp(_zero_where_masked(prox_logp - behav_logp, mask))  # 1 where masked
-    capped = mask & (behav_w > behav_imp_weight_cap) if behav_imp_weight_cap is not None else mask & False
-    kept = mask & ~capped
     # Sanitise every input first: nothing from a dropped position reaches exp or a product.
     log_ratio = _zero_where_masked(log_ratio, kept)
     adv = _zero_where_masked(advantages, kept)
-    w = torch.where(kept, behav_w, torch.ones_like(behav_w))
+    w = torch.ones_like(adv) if behav_weight is None else torch.where(kept, behav_weight, torch.ones_like(adv))
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + high)
     pg = torch.maximum(-adv * ratio, -adv * clipped)
@@ -493,16 +491,6 @@ def ppo_loss_per_token(
         stats = {
             "clip_frac": masked_mean(((-adv * clipped) > (-adv * ratio)).float(), kept),
             "dual_clip_frac": masked_mean(dual.float(), kept),
-            "importance_weight": masked_mean(behav_w, kept),
-            "importance_weight_max": torch.where(kept, behav_w, torch.zeros_like(behav_w)).amax()
-            if kept.any() else torch.ones(()),
-            "importance_weight_min": torch.where(kept, behav_w, torch.full_like(behav_w, float("inf"))).amin()
-            if kept.any() else torch.ones(()),
             "approx_kl": masked_mean(-log_ratio, kept),
-            # KL(π_behav‖π_θ) ≈ mean(log π_behav - log π_θ): how far the trained policy is from
-            # the policy that generated the tokens (k1 estimator, Schulman 2020).
-            "approx_kl_behav": masked_mean(_zero_where_masked(behav_logp, kept) - log_ratio
-                                           - _zero_where_masked(prox_logp, kept), kept),
-            "masked_by_cap": capped.float().sum(),
         }
-    return loss, kept, stats
+    return loss, stats

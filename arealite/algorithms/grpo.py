@@ -39,7 +39,12 @@ from __future__ import annotations
 
 import torch
 
+from arealite.algorithms import corrections as C
 from arealite.algorithms import functional as F
+from arealite.algorithms.cispo import CISPOSurrogate
+from arealite.algorithms.dppo import DPPOKLSurrogate, DPPOTVSurrogate
+from arealite.algorithms.gmpo import GMPOSurrogate
+from arealite.algorithms.sapo import SAPOSurrogate
 from arealite.api.algorithm import Algorithm
 from arealite.api.cli import check_algorithm
 from arealite.api.config import GRPOAlgoConfig
@@ -112,11 +117,12 @@ class GRPO(Algorithm):
 
     @classmethod
     def from_config(cls, config, actor: TrainEngine, ref: TrainEngine | None = None):
-        """The builder the RL loop takes (:func:`arealite.trainer.rl_loop.run_rl`): ``cls`` on
-        ``config.algo`` with group size ``config.gconfig.n_samples`` and L_max
-        ``config.gconfig.max_new_tokens`` (GRPO, GSPO, RLOO, REINFORCE++)."""
-        return cls(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,
-                   max_new_tokens=config.gconfig.max_new_tokens)
+        """The builder the RL loop takes (:func:`arealite.trainer.rl_loop.run_rl`): ``cls`` (with
+        the surrogate of ``config.algo.loss``, :func:`with_surrogate`) on ``config.algo`` with
+        group size ``config.gconfig.n_samples`` and L_max ``config.gconfig.max_new_tokens``
+        (GRPO, GSPO, RLOO, REINFORCE++)."""
+        return with_surrogate(cls, config.algo.loss)(config.algo, actor, group_size=config.gconfig.n_samples, ref=ref,
+                                                     max_new_tokens=config.gconfig.max_new_tokens)
 
     # -- the two places where the algorithms of this family differ -------------------------------
     def compute_advantages(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor:
@@ -155,28 +161,62 @@ class GRPO(Algorithm):
         batch["advantages"] = self.compute_advantages(batch, self.shaped_rewards(batch))
         return batch
 
+    def correction(self, prox_logp: torch.Tensor, mb: Batch) -> C.Correction:
+        """The behaviour-policy correction of one micro-batch (``algo.correction``, default
+        ``cap``: w = π_prox/π_behav, masked above ``behav_imp_weight_cap``), from
+        :func:`arealite.algorithms.corrections.behaviour_correction`."""
+        c = self.config
+        upper = c.behav_imp_weight_cap if c.correction == "cap" else c.correction_upper
+        return C.behaviour_correction(prox_logp, mb["logprobs"], mb["loss_mask"], c.correction,
+                                      c.correction_lower, upper, c.correction_batch_norm)
+
+    def surrogate(self, logprobs: torch.Tensor, log_ratio: torch.Tensor, mb: Batch, corr: C.Correction,
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token policy loss ℓ [B, T] (0 off ``corr.keep``) and its stats: the decoupled PPO
+        clipped surrogate (:func:`~arealite.algorithms.functional.ppo_loss_per_token`). The
+        surrogates of ``algo.loss`` (CISPO, SAPO, GMPO, DPPO: one file each) override it."""
+        c = self.config
+        return F.ppo_loss_per_token(log_ratio, mb["advantages"], corr.keep, corr.weight, c.eps_clip,
+                                    c.eps_clip_high, c.c_clip)
+
     def loss_fn(self, logprobs: torch.Tensor, mb: Batch) -> torch.Tensor:
-        """Policy loss of one micro-batch, the mean over :meth:`loss_weight_fn` (engine contract)."""
+        """Policy loss of one micro-batch, the mean over :meth:`loss_weight_fn` (engine contract):
+        correction weights (:meth:`correction`) → surrogate (:meth:`surrogate`) → aggregated
+        over the *pre-mask* ``loss_mask`` (masked tokens count as zero-loss tokens, so the
+        engine's combination over micro-batches and ranks stays exact and masking never
+        up-weights the kept tokens) → + the KL term."""
         c = self.config
         mask = mb["loss_mask"]
         prox_logp = mb["prox_logp"] if "prox_logp" in mb else logprobs.detach()
-        loss_tok, kept, stats = F.ppo_loss_per_token(
-            self.log_ratio(logprobs, prox_logp, mask), prox_logp, mb["logprobs"], mb["advantages"], mask,
-            c.eps_clip, c.eps_clip_high, c.behav_imp_weight_cap, c.c_clip,
-        )
-        # Tokens dropped by the behaviour-weight cap count as zero-loss tokens: every mode
-        # normalises by loss_mask, matching loss_weight_fn, so the engine's combination over
-        # micro-batches and ranks stays exact even when tokens are capped.
+        corr = self.correction(prox_logp, mb)
+        loss_tok, stats = self.surrogate(logprobs, self.log_ratio(logprobs, prox_logp, mask), mb, corr)
         loss = F.agg_loss(loss_tok, mask, c.loss_agg_mode, self.max_new_tokens)
         if self.kl_in_loss:
             kl_tok = F.kl_estimate(logprobs, mb["ref_logp"], c.kl_estimator, mask)
             kl = F.agg_loss(kl_tok, mask, c.loss_agg_mode, self.max_new_tokens)
             loss = loss + c.kl_coef * kl
             stats["kl_ref"] = kl.detach()
+        stats.update(self._behaviour_stats(logprobs, prox_logp, mb, corr))
         if "entropy" in mb:  # detached per-token entropy from the engine, when it provides one
             stats["entropy"] = F.masked_mean(mb["entropy"], mask)
         self._mb_stats.append({k: float(v) for k, v in stats.items()})
         return loss
+
+    @staticmethod
+    def _behaviour_stats(logprobs: torch.Tensor, prox_logp: torch.Tensor, mb: Batch,
+                         corr: C.Correction) -> dict[str, torch.Tensor]:
+        """The correction's and the mismatch's stats, plus ``importance_weight`` (mean w over the
+        kept tokens) with ``_max``/``_min``, ``masked_by_cap`` (masked loss tokens, count) and
+        ``approx_kl_behav`` (k1 of KL(π_behav‖π_θ) over the kept tokens)."""
+        mask, keep, w = mb["loss_mask"] > 0, corr.keep, corr.weight
+        with torch.no_grad():
+            out = {**corr.stats, **C.mismatch_stats(prox_logp, mb["logprobs"], mb["loss_mask"]),
+                   "masked_by_cap": (mask & ~keep).float().sum(),
+                   "importance_weight": F.masked_mean(w, keep),
+                   "importance_weight_max": w[keep].max() if keep.any() else torch.ones(()),
+                   "importance_weight_min": w[keep].min() if keep.any() else torch.ones(()),
+                   "approx_kl_behav": F.masked_mean(mb["logprobs"].float() - logprobs.detach().float(), keep)}
+        return out
 
     def loss_weight_fn(self, mb: Batch) -> float:
         """The engine weight matching ``loss_agg_mode`` (token-mean: number of loss tokens)."""
@@ -212,6 +252,24 @@ class GRPO(Algorithm):
                           "actor/advantage_max": float(adv.max()), "actor/advantage_min": float(adv.min()),
                           "actor/advantage_abs_mean": float(adv.abs().mean())})
         return stats
+
+
+SURROGATE_MIXINS = {"cispo": CISPOSurrogate, "sapo": SAPOSurrogate, "gmpo": GMPOSurrogate,
+                    "dppo_tv": DPPOTVSurrogate, "dppo_kl": DPPOKLSurrogate}
+
+
+def with_surrogate(cls: type, loss: str) -> type:
+    """``cls`` (GRPO or a subclass: GSPO, RLOO, REINFORCE++, PPO) with its :meth:`GRPO.surrogate`
+    replaced by ``algo.loss``'s (one file each: cispo.py, sapo.py, gmpo.py, dppo.py); ``cls``
+    itself for ``ppo``.
+
+    Raises: ValueError: unknown ``loss`` (names ``algo.loss``)."""
+    if loss == "ppo":
+        return cls
+    if loss not in SURROGATE_MIXINS:
+        raise ValueError(f"algo.loss: unknown {loss!r}; choose one of {['ppo', *SURROGATE_MIXINS]}")
+    mixin = SURROGATE_MIXINS[loss]
+    return type(f"{cls.__name__}[{loss}]", (mixin, cls), {"__doc__": f"{cls.__name__} with the {loss} surrogate."})
 
 
 def combine_stats(per_mb: list[dict[str, float]], prefix: str = "actor/") -> dict[str, float]:

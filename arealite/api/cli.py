@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from arealite.api.config import (DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES, REWARD_NORMS, DatasetConfig, DPOAlgoConfig,
+from arealite.api.config import (CORRECTIONS, DPO_LOSS_TYPES, KL_ESTIMATORS, SURROGATES, LOSS_AGG_MODES, REWARD_NORMS, DatasetConfig, DPOAlgoConfig,
                                  EvalConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig, LoRAConfig,
                                  MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
@@ -274,12 +274,39 @@ def _check_grpo_algo(a: "GRPOAlgoConfig", p: str) -> None:
     _number(a, p, "overlong_penalty", integer=True, ge=0, fix="0 = off")
     _choice(a, p, "loss_agg_mode", LOSS_AGG_MODES)
     _choice(a, p, "kl_estimator", KL_ESTIMATORS)
+    _check_off_policy(a, p)
     if isinstance(a, (PPOAlgoConfig, ReinforcePPAlgoConfig)):
         _number(a, p, "gamma", ge=0, le=1)
     if isinstance(a, PPOAlgoConfig):
         _number(a, p, "lam", ge=0, le=1)
         _number(a, p, "value_eps_clip", gt=0, optional=True, fix="None = no value clipping")
         _choice(a, p, "reward_norm", REWARD_NORMS)
+
+
+def _check_off_policy(a: "GRPOAlgoConfig", p: str) -> None:
+    """The behaviour correction and the surrogate (docs/algorithms.md, "Off-policy corrections"):
+    choices, bounds, and the pairs that would apply a correction twice or not at all."""
+    _choice(a, p, "correction", CORRECTIONS)
+    _choice(a, p, "loss", SURROGATES)
+    _number(a, p, "correction_lower", ge=0, optional=True, fix="None = the preset's bound")
+    _number(a, p, "correction_upper", gt=0, optional=True, fix="None = the preset's bound")
+    _number(a, p, "sapo_tau_pos", gt=0)
+    _number(a, p, "sapo_tau_neg", gt=0)
+    _number(a, p, "dppo_delta", gt=0, optional=True, fix="None = 0.2 (dppo_tv) / 0.05 (dppo_kl)")
+    _number(a, p, "dppo_ratio_cap", gt=0)
+    if a.correction_lower is not None and a.correction_upper is not None and a.correction_lower > a.correction_upper:
+        raise ConfigError(p + "correction_lower", f"{a.correction_lower} exceeds {p}correction_upper="
+                          f"{a.correction_upper}; the band is [lower, upper]")
+    if a.correction == "cap" and a.correction_upper is not None:
+        raise ConfigError(p + "correction_upper", f"{a.correction_upper}: the cap preset's bound is "
+                          f"{p}behav_imp_weight_cap; set that instead (or pick another {p}correction)")
+    if not a.use_decoupled_loss and a.correction not in ("cap", "none"):
+        raise ConfigError(p + "correction", f"{a.correction!r} with {p}use_decoupled_loss false: bypass mode takes "
+                          f"the ratio against the behaviour policy itself (π_prox = μ, ρ = 1), so a correction of ρ "
+                          f"would do nothing; set {p}use_decoupled_loss true or {p}correction none")
+    if a.loss == "gmpo" and a.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(p + "loss_agg_mode", f"{a.loss_agg_mode!r} with {p}loss gmpo: GMPO's loss is per sequence "
+                          f"(arXiv 2507.20673); set {p}loss_agg_mode seq-mean-token-mean")
 
 
 def _choice(obj: Any, prefix: str, name: str, accepted: tuple[str, ...]) -> None:

@@ -143,6 +143,9 @@ class DatasetConfig:
 # The accepted values of the string-valued ``algo`` fields (one definition; the algorithms import them).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # algo.loss_agg_mode
 KL_ESTIMATORS = ("k1", "k2", "k3")  # algo.kl_estimator
+CORRECTIONS = ("cap", "none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "kpop", "geo_rs", "k2_rs",
+               "k3_rs", "m2po")  # algo.correction (arealite/algorithms/corrections.py)
+SURROGATES = ("ppo", "cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl")  # algo.loss
 REWARD_NORMS = ("none", "group", "batch")  # algo.reward_norm (PPO)
 DPO_LOSS_TYPES = ("sigmoid", "ipo")  # algo.loss_type (DPO)
 
@@ -158,7 +161,19 @@ class GRPOAlgoConfig:
     adv_std_floor: float = 1e-4  # groups whose reward std is <= this get 0 advantage (zero-variance)
     n_minibatches: int = 1  # PPO minibatch updates per batch
     use_decoupled_loss: bool = True  # AReaL decoupled PPO: clip around a recomputed π_prox
-    behav_imp_weight_cap: float | None = 5.0  # tokens with π_prox/π_behav above this are masked
+    behav_imp_weight_cap: float | None = 5.0  # correction "cap": tokens with π_prox/π_behav above this are masked
+    # Behaviour-policy correction (arealite/algorithms/corrections.py): cap | none | token_tis | seq_tis |
+    # token_mis | seq_mis | icepop | kpop | geo_rs | k2_rs | k3_rs | m2po
+    correction: str = "cap"
+    correction_lower: float | None = None  # lower bound of the correction's band (None = the preset's)
+    correction_upper: float | None = None  # its upper bound / truncation C (None = the preset's)
+    correction_batch_norm: bool = False  # divide the kept weights by their batch mean (after truncation)
+    # Surrogate (one file each in arealite/algorithms/): ppo (decoupled clipped) | cispo | sapo | gmpo | dppo_tv | dppo_kl
+    loss: str = "ppo"
+    sapo_tau_pos: float = 1.0  # SAPO temperature for A > 0 (arXiv 2511.20347)
+    sapo_tau_neg: float = 1.05  # SAPO temperature for A < 0
+    dppo_delta: float | None = None  # DPPO trust region δ (None = 0.2 for dppo_tv, 0.05 for dppo_kl)
+    dppo_ratio_cap: float = 20.0  # DPPO cap C of the detached ratio weight
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
     c_clip: float | None = None  # dual-clip bound c > 1 for A < 0 (Ye et al. 2020); None = off
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman 2020) for the kl_coef term
