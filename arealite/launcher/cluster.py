@@ -21,7 +21,6 @@ A cluster launcher runs in three phases, each able to fail before the next costs
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
@@ -38,7 +37,7 @@ import yaml
 
 from arealite.api.cli import ConfigError, from_dict, validate_config
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
-from arealite.utils.proc import free_port  # noqa: F401 - ray.py and slurm.py import it from here
+from arealite.utils.proc import die_with_parent, free_port  # noqa: F401 - ray.py and slurm.py import them from here
 
 CONFIG_DUMP_ENV = "AREALITE_CONFIG_DUMP"  # trainer/entry.py::load_run_config writes the validated config here and exits
 
@@ -378,15 +377,6 @@ def wait_addresses(paths: list[str], timeout: float, alive: Callable[[], str | N
                                    "see their logs under <output_dir>/logs/")
             time.sleep(poll)
     return [ready[p] for p in paths]
-
-
-def die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGKILL when the process that started it dies (Linux
-    ``PR_SET_PDEATHSIG``), so a killed launcher actor or step leaves no orphan behind."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 def stream(proc: subprocess.Popen, prefix: str, log: TextIO, echo: TextIO | None = sys.stdout) -> threading.Thread:

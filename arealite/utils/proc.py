@@ -1,9 +1,28 @@
-"""Process helpers shared by the processes arealite starts (servers, reward workers, launchers)."""
+"""Process helpers shared by the processes arealite starts (servers, reward workers, launchers).
+
+Children that die with their parent, so a SIGKILLed trainer or launcher (whose atexit hooks never
+run) leaves no orphan holding CPU, memory or a GPU. Two tools, because the two cases differ:
+
+* :func:`exit_when_parent_dies`, a polling thread inside the child, for arealite's own Python
+  children: the local generation server (``python -m arealite.server --parent-pid``) and the
+  reward workers. It works whichever thread of the parent started the child, which matters here:
+  reward workers are spawned by ``ProcessPoolExecutor.submit`` from the short-lived
+  ``RewardWorker.compute`` thread, and a crashed local server is restarted from the
+  ``ServerWatcher`` thread. ``multiprocessing`` also offers no ``preexec_fn`` hook.
+* :func:`die_with_parent`, a ``preexec_fn`` that sets Linux ``PR_SET_PDEATHSIG``, for commands
+  arealite does not write (the recipe a Ray trainer actor runs, SGLang/vLLM servers): a thread
+  cannot survive ``exec``, so the child cannot poll; the kernel signal is set between fork and
+  exec instead. It fires when the parent *thread* that forked the child exits, not only when the
+  parent process does, so it is used only from threads that live as long as their process (a Ray
+  actor's task thread).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -33,7 +52,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
     """Start a daemon thread that ends this process (``os._exit(0)``) once ``parent_pid`` is
     gone, e.g. when the trainer was SIGKILLed and its atexit hooks never ran, so no orphan keeps
-    CPU or memory. Polls every ``poll_s`` seconds."""
+    CPU or memory. Called by the child itself (see the module docstring for when to use
+    :func:`die_with_parent` instead).
+
+    Args:
+        parent_pid: the process to outlive by at most ``poll_s`` seconds.
+        poll_s: seconds between two checks (``os.kill(parent_pid, 0)``).
+    """
 
     def watch() -> None:
         while True:
@@ -47,3 +72,18 @@ def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
                 pass
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of ``subprocess.Popen``: the child gets SIGKILL when the thread that
+    started it exits (Linux ``PR_SET_PDEATHSIG``; a thread of a long-lived process, see the
+    module docstring), so a killed launcher actor or step leaves no orphan behind. A no-op where
+    the C library has no ``prctl`` (not Linux); raises nothing (an exception in a
+    ``preexec_fn`` would fail the ``Popen``)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
