@@ -41,6 +41,8 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -289,6 +291,90 @@ def _send_bucket(pg: WeightUpdateGroup, addresses: list[str], payload: dict, ten
         raise _PushFailed(e, [a for a, j in zip(addresses, joins) if j.failed() is not None]) from e
 
 
+@dataclass
+class _Push:
+    """The context of one :func:`broadcast_weights` call on rank 0 and its steps (group set-up,
+    bucket sends, the failure message)."""
+
+    addresses: list[str]
+    version: int
+    backend: str
+    tp_size: int
+    group_name: str
+    timeout_s: float
+    adapter: Any
+    start: float  # time.perf_counter() at the call
+
+    def failure(self, where: str, e: BaseException) -> tuple[str, list[str]]:
+        """The (logged) message of a push that failed ``where`` with ``e``, and the servers it
+        blames: only dead or hung ones (no answer to ``GET /health``); a healthy server whose
+        receive failed may just have lost a peer of the broken group, and it can join the next."""
+        cause = e.cause if isinstance(e, _PushFailed) else e
+        bad = unhealthy_servers(self.addresses)
+        refused = [a for a in (e.refused if isinstance(e, _PushFailed) else []) if a not in bad]
+        survivors = [a for a in self.addresses if a not in bad]
+        message = (f"distributed weight update to version {self.version} failed {where} after "
+                   f"{time.perf_counter() - self.start:.2f} s: "
+                   + (f"server(s) {', '.join(bad)} died or hung (no answer to GET /health)" if bad
+                      else "no dead or hung server found")
+                   + (f"; {', '.join(refused)} answered but failed the update" if refused else "")
+                   + f" (cause: {cause!r}). The weight-update group was dropped"
+                   + (f"; servers {survivors} may hold partly updated weights" if survivors else "")
+                   + (": exclude the failed servers (RemoteInferenceEngine.exclude_servers(err.failed)) and push "
+                      "again" if bad else ": fix the cause and push again")
+                   + f"; a hung server costs at most rollout.weight_sync_timeout={self.timeout_s} s per bucket")
+        logger.error(message)
+        return message, bad
+
+    def open_group(self) -> tuple[WeightUpdateGroup | None, str | None, list[str]]:
+        """The weight-update group with every server: ``(group, None, [])``, or ``(None, error
+        message, blamed servers)`` when there is no server or the set-up failed."""
+        if not self.addresses:
+            return None, (f"distributed weight update to version {self.version}: no server to push to (every "
+                          "server failed a control call, see the log); restart the servers or fix "
+                          "rollout.addresses"), []
+        try:
+            return init_group(self.addresses, self.backend, self.tp_size, self.group_name, self.timeout_s,
+                              self.adapter), None, []
+        except Exception as e:  # noqa: BLE001 - reported on every rank by broadcast_weights
+            return None, *self.failure("while creating the weight-update group", e)
+
+    def send_buckets(self, pg: WeightUpdateGroup, buckets, n_buckets: int, stats: dict) -> tuple[str | None, list[str]]:
+        """Send ``buckets`` (of ``n_buckets``; the last one carries the version) until one
+        fails, counting them in ``stats``. Returns ``(None, [])``, or the failure message and
+        the blamed servers; the unsent buckets are left in the iterator."""
+        for k, bucket in enumerate(buckets):
+            payload = UpdateBucket.of_tensors(bucket, self.group_name,
+                                              self.version if k == n_buckets - 1 else None).to_json()
+            try:
+                _send_bucket(pg, self.addresses, payload, [t for _, t in bucket], self.backend, self.timeout_s,
+                             self.adapter)
+            except _PushFailed as e:
+                return self.failure(f"at bucket {k + 1} ({stats['n_tensors']} tensors sent before it)", e)
+            stats["n_buckets"] += 1
+            stats["n_tensors"] += len(bucket)
+            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+        return None, []
+
+
+def _bucket_count(specs, bucket_bytes: int) -> int:
+    """How many buckets :func:`iter_buckets` makes of ``specs`` (``(name, shape, dtype)``), from
+    the shapes alone, before any gather. Only the last bucket carries the version, so a server
+    left half-updated by a failure keeps reporting its old version."""
+    return sum(1 for _ in iter_buckets(
+        ((n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape, dtype in specs), bucket_bytes))
+
+
+def _outcome_of_rank0(error: str | None, failed: list[str]) -> tuple[str | None, list[str]]:
+    """Rank 0's ``(error, failed)`` on every rank (a broadcast, also a barrier); as is without a
+    process group."""
+    if not dist.is_initialized():
+        return error, failed
+    box = [(error, failed)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int,
                       bucket_bytes: int, backend: str | None = None, tp_size: int = 1,
                       group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0,
@@ -323,65 +409,21 @@ def broadcast_weights(model: torch.nn.Module, addresses: list[str], version: int
     rank = dist.get_rank() if dist.is_initialized() else 0
     start = time.perf_counter()
     device = next(model.parameters()).device
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    push = _Push(addresses, version, backend or ("nccl" if device.type == "cuda" else "gloo"), tp_size, group_name,
+                 timeout_s, adapter, start)
     stats = {"n_buckets": 0, "n_tensors": 0, "bytes": 0, "seconds": 0.0}
-    error, failed = None, []
-
-    def fail(where: str, e: BaseException) -> tuple[str, list[str]]:
-        cause = e.cause if isinstance(e, _PushFailed) else e
-        # Only dead or hung servers are blamed: a healthy one whose receive failed may just have
-        # lost a peer of the broken group, and it can join the next group.
-        bad = unhealthy_servers(addresses)
-        refused = [a for a in (e.refused if isinstance(e, _PushFailed) else []) if a not in bad]
-        survivors = [a for a in addresses if a not in bad]
-        message = (f"distributed weight update to version {version} failed {where} after "
-                   f"{time.perf_counter() - start:.2f} s: "
-                   + (f"server(s) {', '.join(bad)} died or hung (no answer to GET /health)" if bad
-                      else "no dead or hung server found")
-                   + (f"; {', '.join(refused)} answered but failed the update" if refused else "")
-                   + f" (cause: {cause!r}). The weight-update group was dropped"
-                   + (f"; servers {survivors} may hold partly updated weights" if survivors else "")
-                   + (": exclude the failed servers (RemoteInferenceEngine.exclude_servers(err.failed)) and push "
-                      "again" if bad else ": fix the cause and push again")
-                   + f"; a hung server costs at most rollout.weight_sync_timeout={timeout_s} s per bucket")
-        logger.error(message)
-        return message, bad
-
-    pg = None
-    if rank == 0:
-        if not addresses:
-            error = (f"distributed weight update to version {version}: no server to push to (every server "
-                     "failed a control call, see the log); restart the servers or fix rollout.addresses")
-        else:
-            try:
-                pg = init_group(addresses, backend, tp_size, group_name, timeout_s, adapter)
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error, failed = fail("while creating the weight-update group", e)
-    # Only the last bucket carries the version, so a server left half-updated by a failure keeps
-    # reporting its old version (the bucket count comes from shapes alone, before any gather).
+    pg, error, failed = push.open_group() if rank == 0 else (None, None, [])
     specs, tensors = source or ([(n, p.shape, p.dtype) for n, p in model.named_parameters()], _full_tensors(model))
-    n_buckets = sum(1 for _ in iter_buckets(
-        ((n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape, dtype in specs), bucket_bytes))
+    n_buckets = _bucket_count(specs, bucket_bytes)
     with torch.no_grad():
-        for k, bucket in enumerate(iter_buckets(tensors, bucket_bytes)):
-            if rank != 0 or error is not None:
-                continue  # the all-gathers above go on, so that every rank reaches the end
-            payload = UpdateBucket.of_tensors(bucket, group_name,
-                                              version if k == n_buckets - 1 else None).to_json()
-            try:
-                _send_bucket(pg, addresses, payload, [t for _, t in bucket], backend, timeout_s, adapter)
-            except _PushFailed as e:
-                error, failed = fail(f"at bucket {k + 1} ({stats['n_tensors']} tensors sent before it)", e)
-                continue
-            stats["n_buckets"] += 1
-            stats["n_tensors"] += len(bucket)
-            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+        buckets = iter_buckets(tensors, bucket_bytes)
+        if rank == 0 and error is None:
+            error, failed = push.send_buckets(pg, buckets, n_buckets, stats)
+        for _ in buckets:  # the remaining all-gathers (all of them on ranks ≠ 0), so that every rank reaches the end
+            pass
     if rank == 0 and error is not None and addresses:  # outside the except blocks (see forget_group)
         forget_group(addresses, group_name, notify=[a for a in addresses if a not in failed], adapter=adapter)
-    if dist.is_initialized():  # every rank learns rank 0's outcome (also a barrier)
-        box = [(error, failed)]
-        dist.broadcast_object_list(box, src=0)
-        error, failed = box[0]
+    error, failed = _outcome_of_rank0(error, failed)
     if error is not None:
         raise WeightSyncError(error, failed)
     stats["seconds"] = time.perf_counter() - start
