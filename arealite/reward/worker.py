@@ -313,7 +313,9 @@ class RewardWorker:
         return value
 
     async def _acompute(self, fn: Callable[..., Any], args: tuple) -> tuple[float, str]:
-        """(reward, kind): kind "ok" or the :attr:`stats` failure name (reward 0.0)."""
+        """(reward, kind): kind "ok" or the :attr:`stats` failure name (reward 0.0). At most two
+        attempts within one ``timeout``: the second only when the pool broke under the first
+        without ``fn`` being at fault (see :meth:`_attempt`)."""
         name = _fn_name(fn)
         async with self._semaphore():
             await self._warm(getattr(fn, "__module__", "") or "")
@@ -322,78 +324,82 @@ class RewardWorker:
             for attempt in range(2):
                 remaining = deadline - loop.time()
                 if remaining <= 0:  # retry budget used up by the killed attempt
-                    logger.warning(
-                        "reward fn %s timed out after %.1f s (its pool was killed by "
-                        "another call's timeout); reward=0.0",
-                        name,
-                        self.timeout,
-                    )
+                    logger.warning("reward fn %s timed out after %.1f s (its pool was killed by another call's "
+                                   "timeout); reward=0.0", name, self.timeout)
                     return 0.0, "timeout"
-                pool, gen = self._current()
-                try:
-                    cfut = pool.submit(fn, *args)
-                    procs = list((getattr(pool, "_processes", None) or {}).values())
-                except (BrokenProcessPool, RuntimeError) as e:
-                    # pool broke/shut down between _current() and submit
-                    if attempt == 0:
-                        self._replace_pool(gen, kill=False)
-                        continue
-                    logger.warning("reward fn %s could not be submitted (%r); reward=0.0", name, e)
-                    return 0.0, "error"
-                except Exception as e:  # e.g. unpicklable arguments
-                    logger.warning("reward fn %s could not be submitted (%r); reward=0.0", name, e)
-                    return 0.0, "error"
-                try:
-                    result = await asyncio.wait_for(asyncio.wrap_future(cfut), remaining)
-                except asyncio.TimeoutError:
-                    logger.warning(
-                        "reward fn %s timed out after %.1f s; killing reward worker "
-                        "processes and starting a fresh pool; reward=0.0",
-                        name,
-                        self.timeout,
-                    )
-                    self._replace_pool(gen, kill=True)
-                    return 0.0, "timeout"
-                except BrokenProcessPool as e:
-                    with self._lock:
-                        killed_by_other = gen in self._killed_generations
-                    if killed_by_other and attempt == 0:
-                        # another call's timeout killed our pool: retry once
-                        self._replace_pool(gen, kill=False)
-                        continue
-                    for p in procs:  # the dead worker's exit status tells a memory kill from a crash
-                        p.join(timeout=10.0)  # returns at once for an exited process; 1 s missed it under load
-                    if any(p.exitcode == MEMORY_EXIT_CODE for p in procs):
-                        logger.warning(
-                            "reward worker exceeded max_memory_mb=%s MiB while running %s; "
-                            "starting a fresh pool; reward=0.0", self.max_memory_mb, name)
-                        self._replace_pool(gen, kill=False)
-                        return 0.0, "memory"
-                    logger.warning(
-                        "reward worker process crashed while running %s (%r); "
-                        "starting a fresh pool; reward=0.0",
-                        name,
-                        e,
-                    )
-                    self._replace_pool(gen, kill=False)
-                    return 0.0, "crash"
-                except asyncio.CancelledError:
-                    cfut.cancel()
-                    raise
-                except Exception as e:
-                    logger.warning("reward fn %s raised %r; reward=0.0", name, e)
-                    return 0.0, "error"
-                try:
-                    return float(result), "ok"
-                except Exception as e:
-                    logger.warning(
-                        "reward fn %s returned %r, not convertible to float (%r); reward=0.0",
-                        name,
-                        result,
-                        e,
-                    )
-                    return 0.0, "bad_type"
+                outcome = await self._attempt(fn, args, name, remaining, retry=attempt == 0)
+                if outcome is not None:
+                    return outcome
             return 0.0, "error"
+
+    async def _attempt(self, fn: Callable[..., Any], args: tuple, name: str, remaining: float,
+                       retry: bool) -> tuple[float, str] | None:
+        """Run ``fn(*args)`` once in the current pool, waiting at most ``remaining`` s.
+
+        Returns: (reward, kind) as :meth:`_acompute`, or None (only when ``retry``) after
+        replacing a pool that was already broken at submission or that another call's timeout
+        killed: the caller tries again.
+
+        Raises:
+            RuntimeError: the worker is closed.
+            asyncio.CancelledError: the caller was cancelled (the call is cancelled too).
+        """
+        pool, gen = self._current()
+        try:
+            cfut = pool.submit(fn, *args)
+            procs = list((getattr(pool, "_processes", None) or {}).values())
+        except (BrokenProcessPool, RuntimeError) as e:
+            # pool broke/shut down between _current() and submit
+            if retry:
+                self._replace_pool(gen, kill=False)
+                return None
+            logger.warning("reward fn %s could not be submitted (%r); reward=0.0", name, e)
+            return 0.0, "error"
+        except Exception as e:  # e.g. unpicklable arguments
+            logger.warning("reward fn %s could not be submitted (%r); reward=0.0", name, e)
+            return 0.0, "error"
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(cfut), remaining)
+        except asyncio.TimeoutError:
+            logger.warning("reward fn %s timed out after %.1f s; killing reward worker processes and starting "
+                           "a fresh pool; reward=0.0", name, self.timeout)
+            self._replace_pool(gen, kill=True)
+            return 0.0, "timeout"
+        except BrokenProcessPool as e:
+            return self._broken_pool(gen, procs, name, e, retry)
+        except asyncio.CancelledError:
+            cfut.cancel()
+            raise
+        except Exception as e:
+            logger.warning("reward fn %s raised %r; reward=0.0", name, e)
+            return 0.0, "error"
+        try:
+            return float(result), "ok"
+        except Exception as e:
+            logger.warning("reward fn %s returned %r, not convertible to float (%r); reward=0.0", name, result, e)
+            return 0.0, "bad_type"
+
+    def _broken_pool(self, gen: int, procs: list, name: str, e: BaseException,
+                     retry: bool) -> tuple[float, str] | None:
+        """The pool of generation ``gen`` broke while running ``name``: replace it. Returns None
+        (retry) when another call's timeout killed it and ``retry``, else (0.0, "memory") when a
+        worker of ``procs`` exited with :data:`MEMORY_EXIT_CODE`, else (0.0, "crash")."""
+        with self._lock:
+            killed_by_other = gen in self._killed_generations
+        if killed_by_other and retry:
+            self._replace_pool(gen, kill=False)
+            return None
+        for p in procs:  # the dead worker's exit status tells a memory kill from a crash
+            p.join(timeout=10.0)  # returns at once for an exited process; 1 s missed it under load
+        if any(p.exitcode == MEMORY_EXIT_CODE for p in procs):
+            logger.warning("reward worker exceeded max_memory_mb=%s MiB while running %s; starting a fresh pool; "
+                           "reward=0.0", self.max_memory_mb, name)
+            self._replace_pool(gen, kill=False)
+            return 0.0, "memory"
+        logger.warning("reward worker process crashed while running %s (%r); starting a fresh pool; reward=0.0",
+                       name, e)
+        self._replace_pool(gen, kill=False)
+        return 0.0, "crash"
 
     def compute(self, fn: Callable[..., Any], *args: Any) -> float:
         """Synchronous :meth:`acompute` for evaluation scripts.
