@@ -110,6 +110,18 @@ def plot_metrics(steps: list[dict], summary: dict | None) -> dict[str, str]:
     ax.legend(fontsize=7)
     figs["staleness"] = _png(fig)
 
+    if any("actor/mismatch/kl_k3" in s for s in steps):
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(*_series(steps, "actor/mismatch/kl_k3"), "o-", label="mismatch KL(μ‖π_prox), k3")
+        ax.set(xlabel="step", ylabel="KL (nats / token)", title="Off-policy: behaviour mismatch and ESS")
+        ax2 = ax.twinx()
+        ax2.plot(*_series(steps, "actor/behav/ess"), "s--", color="#c44e52", label="ESS (Σw)²/(NΣw²)")
+        ax2.plot(*_series(steps, "actor/behav/masked_frac"), "^:", color="#8172b3", label="masked fraction")
+        ax2.set(ylabel="ESS / fraction", ylim=(0, 1.05))
+        lines = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+        ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=7)
+        figs["off-policy"] = _png(fig)
+
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(*_series(steps, "perf/trained_tokens_per_s"), "o-")
     ax.set(xlabel="step", ylabel="tokens/s", title="Trained tokens per second (per step wall time)")

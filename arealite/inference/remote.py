@@ -155,6 +155,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self.restart_hook = None  # set by the launcher: fn(addr) -> True if it restarts that server
         self.on_destroy: list = []  # callables run by destroy() (e.g. stop the launcher's watcher)
         self.sync_lock = threading.Lock()  # held from pause_generation to continue_generation
+        self._paused_at: int | None = None  # the version at which this rank knows the servers paused
         self._sync_held = False
         self.last_disk_update: tuple[str, int] | None = None  # (folder, version) of the last disk load
         self._rid_to_addr: OrderedDict[str, str] = OrderedDict()
@@ -310,8 +311,26 @@ class RemoteInferenceEngine(InferenceEngine):
         raise self._give_up(f"{self.adapter.generate_endpoint} (rid {rid})", last)
 
     # -- generation ----------------------------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        """Record the servers' new weight version; the pause this rank saw (if any) is over for
+        tagging purposes: a segment sent from now on is served by ``version``."""
+        super().set_version(version)
+        self._paused_at = None
+
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one completion; see the module docstring for interruption and failover.
+
+        Versions (AReaL #1569's bug class): every token carries the version of the weights that
+        produced it. A server that reports its version per reply (ours; SGLang after its first
+        versioned update) is believed. For one that reports none (vLLM; SGLang's "default"), a
+        segment sent while the servers run is tagged with this rank's version *at send* — never
+        at the time its reply is read, which may be after the next update landed although the old
+        weights produced it. A segment sent while the servers are paused (rank 0 between
+        :meth:`pause_generation` and :meth:`set_version`; any rank after it got an abort reply,
+        until :meth:`set_version`) is held by the server and served by the new weights: it is
+        tagged with the version when its reply arrives. Residual window: on ranks other than 0,
+        a *new* request first sent after rank 0 paused the servers and before this rank saw an
+        abort is tagged as sent while running (the old version) although the new weights serve it.
 
         Returns: a :class:`ModelResponse` whose ``stop_reason`` is "stop" or "length".
 
@@ -327,10 +346,13 @@ class RemoteInferenceEngine(InferenceEngine):
             params = gconfig.sampling_params()
             params["max_new_tokens"] = budget - resp.output_len
             payload = self.adapter.build_request(resp.input_tokens + resp.output_tokens, params)
-            seg_start = time.time()
+            seg_start, sent_version, sent_paused = time.time(), self.get_version(), self._paused_at is not None
             result = await self._generate_segment(req.rid, payload)
             tokens, logprobs, finish, version = self.adapter.parse_response(result)
-            version = self.get_version() if version is None else version
+            if version is None:  # the backend reports none: see "Versions" above
+                version = self.get_version() if sent_paused else sent_version
+                if finish == "abort" and self.get_version() == sent_version:
+                    self._paused_at = sent_version  # the servers are paused for the update to sent_version + 1
             trace.lane_complete(f"server {self._rid_to_addr.get(req.rid, '?')}", "interrupted" if finish == "abort"
                                 else "generate", seg_start, time.time(), {"tokens": len(tokens), "version": version})
             resp.output_tokens += tokens
@@ -384,6 +406,7 @@ class RemoteInferenceEngine(InferenceEngine):
         :attr:`sync_lock` until :meth:`continue_generation` (a restart's catch-up waits)."""
         if not self._sync_held:  # a restart's catch-up (it holds the lock) finishes first
             self._sync_held = self.sync_lock.acquire(timeout=self.config.setup_timeout)
+        self._paused_at = self.get_version()  # segments sent from now on are held (see agenerate)
         self._all_servers(*self.adapter.pause)
 
     def continue_generation(self) -> None:
