@@ -77,3 +77,17 @@ def env_without_dist(**extra) -> dict:
     process leaves them set and its TCPStore holds MASTER_PORT, so a subprocess must make its own group."""
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def ppo_token_mean(logp, prox, behav, adv, mask, behav_imp_weight_cap=None, **kw):
+    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default aggregation,
+    pre-mask denominator) with the default ``cap`` correction: (scalar loss, stats of
+    :func:`functional.ppo_loss_per_token` plus ``importance_weight`` (mean w over the kept tokens) and
+    ``masked_by_cap``)."""
+    from arealite.algorithms import corrections, functional
+
+    corr = corrections.behaviour_correction(prox, behav, mask, "cap", upper=behav_imp_weight_cap)
+    loss, stats = functional.ppo_loss_per_token(logp - prox, adv, corr.keep, corr.weight, **kw)
+    stats.update(importance_weight=functional.masked_mean(corr.weight, corr.keep),
+                 masked_by_cap=((mask > 0) & ~corr.keep).float().sum())
+    return functional.agg_loss(loss, mask, "token-mean"), stats

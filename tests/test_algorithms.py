@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from arealite.algorithms import corrections as C
 from arealite.algorithms import functional as F
 from arealite.algorithms.grpo import GRPO, should_accept
 from arealite.algorithms.gspo import GSPO
@@ -15,19 +14,11 @@ from arealite.algorithms.reinforce_pp import ReinforcePP
 from arealite.algorithms.rloo import RLOO
 from arealite.api.config import GRPOAlgoConfig, GSPOAlgoConfig, ReinforcePPAlgoConfig
 
+from conftest import ppo_token_mean
+
 MODES = F.LOSS_AGG_MODES
 
 
-def _ppo_token_mean(logp, prox, behav, adv, mask, behav_imp_weight_cap=None, **kw):
-    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default aggregation,
-    pre-mask denominator) with the default ``cap`` correction: (scalar loss, stats of
-    :func:`F.ppo_loss_per_token` plus ``importance_weight`` (mean w over the kept tokens) and
-    ``masked_by_cap``)."""
-    corr = C.behaviour_correction(prox, behav, mask, "cap", upper=behav_imp_weight_cap)
-    loss, stats = F.ppo_loss_per_token(logp - prox, adv, corr.keep, corr.weight, **kw)
-    stats.update(importance_weight=F.masked_mean(corr.weight, corr.keep),
-                 masked_by_cap=((mask > 0) & ~corr.keep).float().sum())
-    return F.agg_loss(loss, mask, "token-mean"), stats
 
 
 class _FakeActor:
@@ -308,7 +299,7 @@ def test_asymmetric_clip_both_sides_with_gradient():
     # ratios 1.3, 1.3, 0.7, 0.7 with A = +1, -1, -1, +1; ε_low 0.2, ε_high 0.28
     logp = (prox + torch.log(torch.tensor([[1.3, 1.3, 0.7, 0.7]]))).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]])
-    loss, stats = _ppo_token_mean(logp, prox, prox, adv, torch.ones(1, 4), eps_clip=0.2, eps_clip_high=0.28)
+    loss, stats = ppo_token_mean(logp, prox, prox, adv, torch.ones(1, 4), eps_clip=0.2, eps_clip_high=0.28)
     # t0: max(-1.3, -1.28) = -1.28 (clipped high, no grad); t1: max(1.3, 1.28) = 1.3 (grad +1.3)
     # t2: max(0.7, 0.8) = 0.8 (clipped low, no grad);      t3: max(-0.7, -0.8) = -0.7 (grad -0.7)
     assert loss.item() == pytest.approx((-1.28 + 1.3 + 0.8 - 0.7) / 4, abs=1e-6)
@@ -321,7 +312,7 @@ def test_dual_clip_caps_negative_advantage_loss():
     prox = torch.zeros(1, 3)
     logp = torch.log(torch.tensor([[5.0, 2.0, 5.0]])).requires_grad_()  # ratios 5, 2, 5
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
-    loss, stats = _ppo_token_mean(logp, prox, prox, adv, torch.ones(1, 3), eps_clip=0.2, c_clip=3.0)
+    loss, stats = ppo_token_mean(logp, prox, prox, adv, torch.ones(1, 3), eps_clip=0.2, c_clip=3.0)
     # t0: A<0, max(5, 1.2) = 5 > c·|A| = 3 -> 3 (dual clipped, no grad)
     # t1: A<0, max(2, 1.2) = 2 < 3 -> 2 (grad -A·r = 2)
     # t2: A>0, max(-5, -1.2) = -1.2 (ordinary clip, dual clip does not apply to A > 0)
@@ -331,7 +322,7 @@ def test_dual_clip_caps_negative_advantage_loss():
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0 / 3, 0.0]]))
     with pytest.raises(ValueError, match="c_clip"):
-        _ppo_token_mean(logp, prox, prox, adv, torch.ones(1, 3), c_clip=1.0)
+        ppo_token_mean(logp, prox, prox, adv, torch.ones(1, 3), c_clip=1.0)
     with pytest.raises(ValueError, match="c_clip"):
         GRPO(GRPOAlgoConfig(c_clip=0.5), _FakeActor(), group_size=2)
 
@@ -341,7 +332,7 @@ def test_decoupled_weight_cap_drops_token_even_with_infinite_weight():
     prox = logp.detach().clone()
     behav = torch.tensor([[math.log(0.25), -float("inf"), math.log(0.5)]])  # w = 2, inf, 1
     adv = torch.tensor([[1.0, 1.0, -1.0]])
-    loss, stats = _ppo_token_mean(logp, prox, behav, adv, torch.ones(1, 3), behav_imp_weight_cap=5.0)
+    loss, stats = ppo_token_mean(logp, prox, behav, adv, torch.ones(1, 3), behav_imp_weight_cap=5.0)
     # t1 dropped (w = inf > 5) and counted as a zero-loss token; t0: -1·2·1 = -2; t2: +1·1·1 = 1;
     # token-mean over the 3 loss tokens -> -1/3
     assert loss.item() == pytest.approx(-1.0 / 3.0)

@@ -5,24 +5,15 @@ import math
 import pytest
 import torch
 
-from arealite.algorithms import corrections as C
 from arealite.algorithms import functional as F
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import GRPOAlgoConfig
 from arealite.api.io_struct import ModelResponse
 from arealite.workflow.rlvr import build_trajectories
 
+from conftest import ppo_token_mean
 
-def _ppo_token_mean(logp, prox, behav, adv, mask, behav_imp_weight_cap=None, **kw):
-    """Token-mean over ``mask`` of the per-token decoupled PPO loss (GRPO's default aggregation,
-    pre-mask denominator) with the default ``cap`` correction: (scalar loss, stats of
-    :func:`F.ppo_loss_per_token` plus ``importance_weight`` (mean w over the kept tokens) and
-    ``masked_by_cap``)."""
-    corr = C.behaviour_correction(prox, behav, mask, "cap", upper=behav_imp_weight_cap)
-    loss, stats = F.ppo_loss_per_token(logp - prox, adv, corr.keep, corr.weight, **kw)
-    stats.update(importance_weight=F.masked_mean(corr.weight, corr.keep),
-                 masked_by_cap=((mask > 0) & ~corr.keep).float().sum())
-    return F.agg_loss(loss, mask, "token-mean"), stats
+
 
 
 def test_group_advantages_hand_computed():
@@ -99,7 +90,7 @@ def test_ppo_loss_hand_computed_with_clipping():
     prox = torch.tensor([[0.0, math.log(0.4), math.log(0.4)]])
     adv = torch.tensor([[0.0, 1.0, -1.0]])
     mask = torch.tensor([[0, 1, 1]])
-    loss, stats = _ppo_token_mean(logp, prox, prox, adv, mask, eps_clip=0.2)
+    loss, stats = ppo_token_mean(logp, prox, prox, adv, mask, eps_clip=0.2)
     # token1: r=1.5, A=1 -> max(-1.5, -1.2) = -1.2 (clipped); token2: r=0.5, A=-1 -> max(0.5, 0.8) = 0.8
     assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, abs=1e-6)
     assert stats["clip_frac"].item() == pytest.approx(1.0)
@@ -111,7 +102,7 @@ def test_ppo_loss_hand_computed_with_clipping():
 def test_on_policy_ratio_is_one_and_clip_frac_zero():
     logp = torch.log(torch.tensor([[0.5, 0.3, 0.9]])).requires_grad_()
     adv = torch.tensor([[2.0, 2.0, 2.0]])
-    loss, stats = _ppo_token_mean(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3))
+    loss, stats = ppo_token_mean(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3))
     assert loss.item() == pytest.approx(-2.0)
     assert stats["clip_frac"].item() == 0.0
     loss.backward()
@@ -123,7 +114,7 @@ def test_decoupled_weight_and_cap():
     prox = torch.log(torch.tensor([[0.5, 0.5]]))
     behav = torch.log(torch.tensor([[0.25, 0.05]]))  # weights 2 and 10
     adv = torch.tensor([[1.0, 1.0]])
-    loss, stats = _ppo_token_mean(logp, prox, behav, adv, torch.ones(1, 2), behav_imp_weight_cap=5.0)
+    loss, stats = ppo_token_mean(logp, prox, behav, adv, torch.ones(1, 2), behav_imp_weight_cap=5.0)
     # token 2 dropped by the cap (a zero-loss token); token 1: w=2, r=1 -> -2; mean over 2 loss tokens
     assert loss.item() == pytest.approx(-1.0)
     assert stats["masked_by_cap"].item() == 1.0
@@ -132,7 +123,7 @@ def test_decoupled_weight_and_cap():
 def test_asymmetric_clip_higher():
     logp = torch.log(torch.tensor([[0.65]]))
     prox = torch.log(torch.tensor([[0.5]]))  # r = 1.3
-    loss, _ = _ppo_token_mean(logp, prox, prox, torch.ones(1, 1), torch.ones(1, 1), eps_clip=0.2, eps_clip_high=0.28)
+    loss, _ = ppo_token_mean(logp, prox, prox, torch.ones(1, 1), torch.ones(1, 1), eps_clip=0.2, eps_clip_high=0.28)
     assert loss.item() == pytest.approx(-1.28, abs=1e-6)
 
 
@@ -243,7 +234,7 @@ def test_new_grpo_options_default_to_the_original_objective():
         [1.0, 0.0]))
     algo._mb_stats = []
     cur = batch["logprobs"] + torch.tensor([[0.0, 0.1, 2.0], [0.0, -0.2, 0.0]])
-    expected, _ = _ppo_token_mean(cur, batch["prox_logp"], batch["logprobs"], batch["advantages"],
+    expected, _ = ppo_token_mean(cur, batch["prox_logp"], batch["logprobs"], batch["advantages"],
                                   batch["loss_mask"], eps_clip=0.2, behav_imp_weight_cap=5.0)
     expected = expected + 0.1 * F.masked_mean(F.kl_estimate(cur, batch["ref_logp"], "k3"), batch["loss_mask"])
     assert torch.equal(algo.loss_fn(cur, batch), expected)
