@@ -215,7 +215,8 @@ def mismatch_stats(prox_logp: torch.Tensor, behav_logp: torch.Tensor, loss_mask:
 
     * ``mismatch/kl_k1`` = mean(−log ρ), ``mismatch/kl_k2`` = mean(½ (log ρ)²),
       ``mismatch/kl_k3`` = mean(ρ − 1 − log ρ): estimates of KL(μ‖π_prox) from μ's samples
-      (Schulman 2020; k3 ≥ 0, unbiased);
+      (Schulman 2020; k3 ≥ 0, unbiased; computed in fp64 as expm1(log ρ) − log ρ, since at the
+      numeric mismatch of one policy (|log ρ| ~ 1e-6) fp32 rounds it to 0);
     * ``mismatch/abs_log_rho_mean`` / ``mismatch/abs_log_rho_max``;
     * ``mismatch/binary_kl_mean``: mean max(KL_b(π_prox‖μ), KL_b(μ‖π_prox)) of the token
       probabilities (KPop's metric).
@@ -228,7 +229,7 @@ def mismatch_stats(prox_logp: torch.Tensor, behav_logp: torch.Tensor, loss_mask:
     q = torch.exp(behav_logp.detach().float().clamp(max=0))[mask]
     return {
         "mismatch/kl_k1": (-lr).mean(), "mismatch/kl_k2": (0.5 * lr * lr).mean(),
-        "mismatch/kl_k3": (torch.exp(lr) - 1.0 - lr).mean(),
+        "mismatch/kl_k3": (torch.expm1(lr.double()) - lr.double()).mean().float(),  # fp64: no cancellation at tiny log ρ
         "mismatch/abs_log_rho_mean": lr.abs().mean(), "mismatch/abs_log_rho_max": lr.abs().max(),
         "mismatch/binary_kl_mean": torch.maximum(binary_kl(p, q), binary_kl(q, p)).mean(),
     }
