@@ -174,3 +174,19 @@ def test_recipes_import_only_the_package(recipe):
 def test_no_module_over_600_lines():
     long = {m: n for m, p in _modules().items() if (n := sum(1 for _ in open(p))) > 600}
     assert long == {}
+
+
+def test_no_function_over_80_lines():
+    """A function a researcher reads in one screen: none in arealite/ is over 80 lines (the RL
+    step loop, arealite.trainer.rl_loop.train, is under 50)."""
+    long = []
+    for m, p in _modules().items():
+        for node in ast.walk(ast.parse(open(p).read(), p)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{m}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
+    from arealite.trainer.rl_loop import train
+
+    import inspect
+
+    assert len(inspect.getsource(train).splitlines()) <= 50
