@@ -5,8 +5,9 @@
     python -m arealite.launcher.ray recipes/sft_math.py --launcher.trainer_ranks 2   # Ray (or .slurm)
 
 Per step: a batch of (prompt, response) rows → next-token loss on the response tokens
-(token-mean over the global batch) → one AdamW step → log; every ``eval_freq_steps`` the
-held-out token-mean NLL on ``valid_dataset``. The loop is
+(token-mean over the global batch) → one AdamW step → log; every ``evaluator.freq_steps`` (and
+at the start and end: ``evaluator.at_start`` / ``at_end``) the held-out token-mean NLL on
+``valid_dataset``. The loop is
 :func:`arealite.trainer.offline_loop.run_offline` (data position and recover checkpoints as in
 the RL loop). Outputs under ``fileroot/experiment_name/trial_name/``: ``stats.jsonl``,
 ``tensorboard/``, ``final/`` (HF checkpoint, loads with ``from_pretrained``). The config comes
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     return run_offline(config, model_path, recover_path, train_rows,
                        SFTCollator(tokenizer, config.train_dataset.max_length), SFT,
                        evaluate=lambda actor, _path: {"loss": evaluate_nll(actor, valid)},
-                       eval_freq_steps=config.eval_freq_steps)
+                       eval_freq_steps=config.evaluator.freq_steps, eval_at_start=config.evaluator.at_start,
+                       eval_at_end=config.evaluator.at_end)
 
 
 if __name__ == "__main__":

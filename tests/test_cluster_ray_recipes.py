@@ -183,7 +183,7 @@ def test_sft_through_the_ray_launcher(cluster, tiny_model_dir, tmp_path):
     c, _, worker = cluster
     rc, log = _ray(c.address, "recipes/sft_math.py", [
         "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--valid_dataset.size", "4",
-        "--valid_dataset.batch_size", "2", "--eval_freq_steps", "0", "--actor.optimizer.lr", "1e-3", *OFFLINE],
+        "--valid_dataset.batch_size", "2", "--evaluator.freq_steps", "0", "--actor.optimizer.lr", "1e-3", *OFFLINE],
         str(tmp_path))
     assert rc == 0, log[-6000:]
     steps, summary = _check_offline_run(tmp_path / "sft_math" / "trial0", log, worker)

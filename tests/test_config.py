@@ -130,3 +130,33 @@ def test_choice_fields_of_a_config_built_in_python_are_checked():
     with pytest.raises(ConfigError, match=r"^recover\.mode: 'sometimes'"):
         check_section(RecoverConfig(mode="sometimes"), "recover.")
     check_section(TrainEngineConfig())
+
+
+def test_every_top_level_config_is_a_run_config_with_the_recipe_defaults(tmp_path):
+    """The run fields are defined once (RunConfig); each recipe keeps its experiment name, SFT its
+    evaluation every 10 steps (evaluator.freq_steps, the one name of that idea), and every config
+    has the logger section (config.logger.wandb without getattr)."""
+    import dataclasses
+
+    import arealite.api.config as C
+
+    tops = {name: cls for name, cls in vars(C).items() if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+            and "total_train_steps" in cls.__dataclass_fields__ and cls is not C.RunConfig}
+    assert set(tops) == {"GRPOConfig", "GSPOConfig", "PPOConfig", "SFTConfig", "DPOConfig", "MultiTurnGRPOConfig",
+                         "ToolAgentGRPOConfig", "ProxyAgentGRPOConfig"}
+    names = {name: cls().experiment_name for name, cls in tops.items()}
+    assert names == {"GRPOConfig": "grpo_math", "GSPOConfig": "gspo_math", "PPOConfig": "ppo_math",
+                     "SFTConfig": "sft_math", "DPOConfig": "dpo_math", "MultiTurnGRPOConfig": "multi_turn_math",
+                     "ToolAgentGRPOConfig": "tool_agent_math", "ProxyAgentGRPOConfig": "proxy_agent"}
+    for cls in tops.values():
+        c = cls()
+        assert isinstance(c, C.RunConfig) and c.logger.wandb.project == ""
+        assert c.output_dir == os.path.join("outputs", c.experiment_name, "trial0")
+    assert C.SFTConfig().evaluator.freq_steps == 10 and C.GRPOConfig().evaluator.freq_steps == 0
+    assert "eval_freq_steps" not in C.SFTConfig.__dataclass_fields__
+    cfg_file = tmp_path / "sft.yaml"
+    cfg_file.write_text("evaluator:\n  freq_steps: 3\nlogger:\n  wandb:\n    project: p\n")
+    sft = load_config(C.SFTConfig, ["--config", str(cfg_file), "--logger.wandb.mode", "offline"])
+    assert (sft.evaluator.freq_steps, sft.logger.wandb.project, sft.logger.wandb.mode) == (3, "p", "offline")
+    dpo = load_config(C.DPOConfig, ["--logger.wandb.project", "q", "--evaluator.at_start", "False"])
+    assert (dpo.logger.wandb.project, dpo.evaluator.at_start, dpo.experiment_name) == ("q", False, "dpo_math")

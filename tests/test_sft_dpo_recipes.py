@@ -39,7 +39,7 @@ def test_sft_recipe_two_steps_on_two_ranks(tiny_model_dir, tmp_path):
     proc = _torchrun("sft_math.py", [
         "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path), "--total_train_steps", "2",
         "--train_dataset.batch_size", "4", "--valid_dataset.size", "5", "--valid_dataset.batch_size", "2",
-        "--eval_freq_steps", "1", "--actor.optimizer.lr", "1e-3",
+        "--evaluator.freq_steps", "1", "--actor.optimizer.lr", "1e-3",
     ], cwd=str(tmp_path))
     steps, summary = _stats(tmp_path / "sft_math" / "trial0")
     assert [s["step"] for s in steps] == [0, 1]

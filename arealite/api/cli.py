@@ -29,7 +29,7 @@ from arealite.api.config import (CORRECTIONS, DPO_LOSS_TYPES, KL_ESTIMATORS, SUR
                                  EvalConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig, LoRAConfig,
                                  MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
-from arealite.api.config import LauncherConfig
+from arealite.api.config import LauncherConfig, RunConfig
 from arealite.api.from_yaml import check_type, from_dict  # noqa: F401 (imported from here)
 from arealite.api.usage import ConfigError, install_exit_hook  # noqa: F401 (imported from here)
 
@@ -440,15 +440,13 @@ def _check_launcher(c: "LauncherConfig", p: str) -> None:
 _CHECKS: list[tuple[type, Any]] = []  # (class, fn(obj, "prefix.")); filled below
 
 
-def _check_top_level(c: Any, world_size: int | None) -> None:
+def _check_top_level(c: "RunConfig", world_size: int | None) -> None:
     _number(c, "", "seed", integer=True)
     _number(c, "", "total_train_steps", integer=True, ge=1)
     for name in ("experiment_name", "trial_name"):
-        v = getattr(c, name, None)
-        if v is not None and (not isinstance(v, str) or not v or "/" in v or v in (".", "..")):
+        v = getattr(c, name)
+        if not isinstance(v, str) or not v or "/" in v or v in (".", ".."):
             raise ConfigError(name, f"{v!r}: use a non-empty name without '/' (it is a folder name)")
-    if isinstance(getattr(c, "eval_freq_steps", None), int):
-        _number(c, "", "eval_freq_steps", integer=True, ge=0)
     gconfig, algo, rollout = getattr(c, "gconfig", None), getattr(c, "algo", None), getattr(c, "rollout", None)
     if isinstance(gconfig, GenerationConfig) and isinstance(algo, GRPOAlgoConfig):
         check_untruncated_sampling(gconfig)  # importance weights need the sampled distribution
@@ -458,8 +456,8 @@ def _check_top_level(c: Any, world_size: int | None) -> None:
     agent = getattr(c, "agent", None)
     if isinstance(agent, MultiTurnConfig) and isinstance(gconfig, GenerationConfig):
         _check_context(agent, gconfig.max_new_tokens)
-    launcher, recover = getattr(c, "launcher", None), getattr(c, "recover", None)
-    if isinstance(launcher, LauncherConfig) and launcher.max_restarts and isinstance(recover, RecoverConfig):
+    launcher, recover = c.launcher, c.recover
+    if launcher.max_restarts:
         if recover.mode != "auto" or not recover.freq_steps:
             raise ConfigError("launcher.max_restarts", f"{launcher.max_restarts} restarts need --recover.mode auto "
                               f"and --recover.freq_steps N > 0 (got mode {recover.mode!r}, freq_steps "
@@ -506,7 +504,7 @@ def validate_config(config: Any, world_size: int | None = None) -> None:
         raise TypeError(f"validate_config expects a config dataclass, got {type(config).__name__}")
 
     _walk(config, "")
-    if hasattr(config, "total_train_steps"):
+    if isinstance(config, RunConfig):
         _check_top_level(config, world_size)
 
 

@@ -291,29 +291,39 @@ class LauncherConfig:
 
 
 @dataclass
-class GRPOConfig:
-    """Top-level config of the GRPO math recipe."""
+class RunConfig:
+    """The fields every recipe's top-level config has (each recipe overrides ``experiment_name``):
+    the run's name and folder, seed, length, and its saver, evaluator, recover, launcher and logger
+    sections."""
 
-    experiment_name: str = "grpo_math"
+    experiment_name: str = "run"  # the recipe's name by default
     trial_name: str = "trial0"
     fileroot: str = "outputs"  # logs, rollouts, checkpoints go to fileroot/experiment/trial
     seed: int = 1
     total_train_steps: int = 20  # optimizer updates of the policy [steps]
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    evaluator: EvalConfig = field(default_factory=EvalConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # python -m arealite.launcher.ray|slurm
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    @property
+    def output_dir(self) -> str:
+        """``fileroot/experiment_name/trial_name``: where the run writes everything."""
+        return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
+
+
+@dataclass
+class GRPOConfig(RunConfig):
+    """Top-level config of the GRPO math recipe."""
+
+    experiment_name: str = "grpo_math"
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     actor: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     algo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    saver: SaverConfig = field(default_factory=SaverConfig)
-    evaluator: EvalConfig = field(default_factory=EvalConfig)
-    recover: RecoverConfig = field(default_factory=RecoverConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-
-    @property
-    def output_dir(self) -> str:
-        return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
 
 
 @dataclass
@@ -344,25 +354,16 @@ class SFTDatasetConfig(DatasetConfig):
 
 
 @dataclass
-class SFTConfig:
-    """Top-level config of the SFT recipe (recipes/sft_math.py)."""
+class SFTConfig(RunConfig):
+    """Top-level config of the SFT recipe (recipes/sft_math.py); no servers (the cluster
+    launchers place its trainer ranks only). ``evaluator``: the held-out token-mean NLL at the
+    start, every ``freq_steps`` steps and at the end (``n_samples`` / ``temperature`` unused)."""
 
     experiment_name: str = "sft_math"
-    trial_name: str = "trial0"
-    fileroot: str = "outputs"  # logs and checkpoints go to fileroot/experiment/trial
-    seed: int = 1
-    total_train_steps: int = 20  # optimizer updates [steps]
-    eval_freq_steps: int = 10  # held-out loss every N steps (0 = only at start and end)
+    evaluator: EvalConfig = field(default_factory=lambda: EvalConfig(freq_steps=10))
     actor: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     train_dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
     valid_dataset: SFTDatasetConfig = field(default_factory=lambda: SFTDatasetConfig(size=64, batch_size=16))
-    saver: SaverConfig = field(default_factory=SaverConfig)
-    recover: RecoverConfig = field(default_factory=RecoverConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # python -m arealite.launcher.ray|slurm (no servers offline)
-
-    @property
-    def output_dir(self) -> str:
-        return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
 
 
 @dataclass
@@ -375,14 +376,11 @@ class DPOAlgoConfig:
 
 
 @dataclass
-class DPOConfig:
-    """Top-level config of the DPO recipe (recipes/dpo_math.py), offline or online."""
+class DPOConfig(RunConfig):
+    """Top-level config of the DPO recipe (recipes/dpo_math.py), offline or online (offline: no
+    servers; ``evaluator.at_start`` / ``at_end`` only)."""
 
     experiment_name: str = "dpo_math"
-    trial_name: str = "trial0"
-    fileroot: str = "outputs"  # logs, rollouts, checkpoints go to fileroot/experiment/trial
-    seed: int = 1
-    total_train_steps: int = 20  # optimizer updates of the policy [steps]
     # offline: pairs from train_dataset (a preference jsonl; None = embedded arithmetic pairs);
     # online: the rollout pipeline samples gconfig.n_samples answers per prompt, the math reward
     # picks a correct/incorrect pair (consumer_batch_size pairs per step, staleness-bounded)
@@ -394,14 +392,6 @@ class DPOConfig:
     algo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)
     train_dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)  # pairs (offline) or prompts (online)
     valid_dataset: DatasetConfig = field(default_factory=lambda: DatasetConfig(size=64))  # greedy accuracy
-    saver: SaverConfig = field(default_factory=SaverConfig)
-    evaluator: EvalConfig = field(default_factory=EvalConfig)
-    recover: RecoverConfig = field(default_factory=RecoverConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # python -m arealite.launcher.ray|slurm (no servers offline)
-
-    @property
-    def output_dir(self) -> str:
-        return os.path.join(self.fileroot, self.experiment_name, self.trial_name)
 
 
 @dataclass

@@ -84,7 +84,7 @@ def run_offline(config, model_path: str, recover_path: str | None, train_rows: l
     actor = FSDPEngine(config.actor)  # temperature 1: the model's own likelihood
     actor.initialize(model_path, config.total_train_steps)
     algo = build_algorithm(actor)
-    stats_logger = StatsLogger(out, rank, config.total_train_steps)
+    stats_logger = StatsLogger(out, rank, config.total_train_steps, config.logger.wandb, to_dict(config))
     start_step = load_checkpoint(recover_path, {"actor": actor}, {"data": loader}) if recover_path else 0
 
     def evaluate_at(when: str, path: str) -> dict[str, float]:

@@ -458,9 +458,8 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
 
 
 def _wandb_config(config):
-    """``config.logger.wandb`` (None for configs without a ``logger`` section, e.g. DPO's)."""
-    logger_config = getattr(config, "logger", None)
-    return logger_config.wandb if logger_config is not None else None
+    """``config.logger.wandb`` (every top-level config has a ``logger`` section: RunConfig)."""
+    return config.logger.wandb
 
 
 def _prepare_output_dir(config, recover_path: str | None) -> None:
