@@ -1,8 +1,8 @@
 """Dataclass configs for every component (contracts only: fields, defaults, one-line comments).
 
 Every field has a one-line comment; units are given in brackets. A recipe's top-level config is a
-dataclass composed of these (see :class:`GRPOConfig`), loaded and validated by
-:func:`arealite.api.cli.load_config`::
+:class:`RunConfig` subclass (the run fields, defined once) composed of these (see :class:`GRPOConfig`),
+loaded and validated by :func:`arealite.api.cli.load_config`::
 
     config = load_config(GRPOConfig, sys.argv[1:])   # from arealite.api.cli
     # python recipes/grpo_math.py --config recipes/configs/grpo_math.yaml --actor.optimizer.lr 1e-5
