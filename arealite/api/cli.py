@@ -411,12 +411,11 @@ def _check_multi_turn(m: "MultiTurnConfig", p: str) -> None:
 
 
 def _check_sandbox(s: "SandboxConfig", p: str) -> None:
-    try:
-        s.validate()
-    except ValueError as e:  # its messages say "sandbox.<field>"
-        msg = str(e)
-        name = msg.split(" ", 1)[0].split("=", 1)[0].removeprefix("sandbox.") if msg.startswith("sandbox.") else ""
-        raise ConfigError(p + name if name else p.rstrip("."), msg) from None
+    _number(s, p, "timeout", gt=0, fix="wall-clock seconds per call")
+    for name in ("cpu_time", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes"):
+        _number(s, p, name, integer=True, gt=0)
+    if s.memory_mb < 64:
+        raise ConfigError(p + "memory_mb", f"{s.memory_mb}: Python needs at least 64 MiB of address space")
 
 
 def _check_launcher(c: "LauncherConfig", p: str) -> None:

@@ -408,14 +408,13 @@ class SandboxConfig:
     uid_base: int = 200000  # namespace mode: calls run as uid_base + (pid·64 + call) mod 50000
 
     def validate(self) -> None:
-        """Raises ValueError naming the bad ``sandbox.*`` field (before any process is started)."""
-        for name in ("timeout", "cpu_time", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.memory_mb < 64:
-            raise ValueError(f"sandbox.memory_mb={self.memory_mb}: Python needs at least 64 MiB of address space")
-        if self.mode not in ("auto", "namespace", "rlimit"):
-            raise ValueError(f"sandbox.mode must be auto|namespace|rlimit, got {self.mode!r}")
+        """The ``sandbox.*`` rules of :func:`arealite.api.cli.validate_config` (one copy, there),
+        for a sandbox run or workflow built in Python, before any process is started.
+
+        Raises: :class:`~arealite.api.usage.ConfigError` (a ValueError) naming the bad field."""
+        from arealite.api.cli import check_section
+
+        check_section(self, "sandbox.")
 
 
 @dataclass
