@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
+from arealite.api.cli import check_section
 from arealite.api.config import SandboxConfig  # the limits (re-exported here)
 
 _CALLS = itertools.count()
@@ -243,7 +244,7 @@ async def arun_python(code: str, config: SandboxConfig | None = None) -> Sandbox
         RuntimeError: the host lacks ``prlimit`` (or ``unshare`` for mode="namespace").
     """
     config = config or SandboxConfig()
-    config.validate()
+    check_section(config, "sandbox.")  # the sandbox.* rules of validate_config (one copy)
     mode = resolve_mode(config)
     uid = config.uid_base + (os.getpid() * 64 + next(_CALLS)) % 50000
     workdir = tempfile.mkdtemp(prefix="arealite_sbx_")

@@ -407,15 +407,6 @@ class SandboxConfig:
     mode: Literal["auto", "namespace", "rlimit"] = "auto"  # auto = namespace when root + unshare work
     uid_base: int = 200000  # namespace mode: calls run as uid_base + (pid·64 + call) mod 50000
 
-    def validate(self) -> None:
-        """The ``sandbox.*`` rules of :func:`arealite.api.cli.validate_config` (one copy, there),
-        for a sandbox run or workflow built in Python, before any process is started.
-
-        Raises: :class:`~arealite.api.usage.ConfigError` (a ValueError) naming the bad field."""
-        from arealite.api.cli import check_section
-
-        check_section(self, "sandbox.")
-
 
 @dataclass
 class MultiTurnConfig:

@@ -21,6 +21,7 @@ import logging
 import re
 from typing import Any
 
+from arealite.api.cli import check_section
 from arealite.api.config import GenerationConfig
 from arealite.api.env import Environment, StepResult
 from arealite.reward.math import math_reward
@@ -114,7 +115,7 @@ class ToolAgentMathWorkflow(OwnsRewardWorker, MultiTurnWorkflow):
                  max_context_tokens: int = 1024, sandbox: SandboxConfig | None = None, tool_role: str = "user",
                  reward_timeout: float = 10.0, dump_dir: str | None = None):
         sandbox = sandbox or SandboxConfig()
-        sandbox.validate()  # a bad sandbox.* field fails here, before any rollout
+        check_section(sandbox, "sandbox.")  # a bad sandbox.* field fails here, before any rollout
         self.sandbox_mode = resolve_mode(sandbox)  # "namespace" | "rlimit"; raises if unavailable
         logger.info("tool agent: sandbox mode %s", self.sandbox_mode)
         super().__init__(lambda data: PythonToolMathEnv(self.reward_worker, sandbox, tool_role), gconfig, tokenizer,
