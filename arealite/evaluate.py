@@ -38,7 +38,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import torch
 

@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, env_without_dist
 
 
 @pytest.fixture(scope="module")
 def result(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("user_engine")
     proc = subprocess.run([sys.executable, "tests/dist/user_engine.py", tiny_model_dir, str(out)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=900)
+                          env=env_without_dist(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "result.json").read_text())
 

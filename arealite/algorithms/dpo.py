@@ -35,7 +35,6 @@ import torch.nn.functional as Fn
 
 from arealite.api.algorithm import Algorithm
 from arealite.api.cli import check_algorithm
-from arealite.api.config import DPO_LOSS_TYPES as LOSS_TYPES  # noqa: F401
 from arealite.api.config import DPOAlgoConfig
 from arealite.api.engine import Batch, TrainEngine
 

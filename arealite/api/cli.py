@@ -30,7 +30,7 @@ from arealite.api.config import (CORRECTIONS, DPO_LOSS_TYPES, KL_ESTIMATORS, SUR
                                  MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
 from arealite.api.config import LauncherConfig, RunConfig
-from arealite.api.from_yaml import check_type, from_dict  # noqa: F401 (imported from here)
+from arealite.api.from_yaml import from_dict
 from arealite.api.usage import ConfigError, install_exit_hook  # noqa: F401 (imported from here)
 
 

@@ -35,9 +35,9 @@ from typing import Any, Callable, TextIO
 
 import yaml
 
-from arealite.api.cli import ConfigError, from_dict, validate_config
+from arealite.api.cli import ConfigError, validate_config
+from arealite.api.from_yaml import from_dict
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
-from arealite.utils.proc import die_with_parent, free_port  # noqa: F401 - ray.py and slurm.py import them from here
 
 CONFIG_DUMP_ENV = "AREALITE_CONFIG_DUMP"  # trainer/entry.py::load_run_config writes the validated config here and exits
 

@@ -48,10 +48,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from arealite.api.cli import from_dict
+from arealite.api.from_yaml import from_dict
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
-from arealite.launcher.cluster import (Node, Placement, address_file, describe, die_with_parent, exit_reason,
-                                       free_port, plan_placement, preparse, previous_port, read_recipe_config,
+from arealite.utils.proc import die_with_parent, free_port
+from arealite.launcher.cluster import (Node, Placement, address_file, describe, exit_reason,
+                                       plan_placement, preparse, previous_port, read_recipe_config,
                                        recipe_servers, run_main, server_argv, stream, this_machine, trainer_argv,
                                        trainer_env, wait_addresses, without_servers, write_address)
 

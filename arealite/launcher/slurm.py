@@ -38,10 +38,12 @@ import subprocess
 import sys
 import time
 
-from arealite.api.cli import ConfigError, from_dict
+from arealite.api.cli import ConfigError
+from arealite.api.from_yaml import from_dict
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
+from arealite.utils.proc import free_port
 from arealite.launcher.cluster import (Node, Placement, address_file, describe, node_address, plan_placement, preparse,
-                                       previous_port, free_port, read_recipe_config, recipe_servers, run_main,
+                                       previous_port, read_recipe_config, recipe_servers, run_main,
                                        server_argv, trainer_argv, wait_addresses, without_servers, write_address)
 
 

@@ -289,7 +289,6 @@ class FSDPEngine(TrainEngine):
         valid = mb["attention_mask"].bool()  # [b, T]
         b, T = valid.shape
         ids = mb["input_ids"][valid]  # [N] real tokens, row after row
-        pos = (valid.long().cumsum(1) - 1)[valid]  # [N] restarts at 0 per row
         N = ids.shape[0]
         has_next = torch.ones(N, dtype=torch.bool, device=ids.device)
         has_next[valid.sum(1).cumsum(0)[valid.any(1)] - 1] = False  # last token of each row

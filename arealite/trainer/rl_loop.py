@@ -413,8 +413,8 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
     random.seed(config.seed + rank)
     torch.manual_seed(config.seed)
     validate_config(config, world_size=world)  # also for configs built in Python (no load_config)
-    wandb = _wandb_config(config)
-    if wandb is not None and wandb.project:
+    wandb = config.logger.wandb
+    if wandb.project:
         require_wandb()  # a clear ImportError before anything is loaded
     # Data, model path, tokenizer, the workflow's own checks (cheap, before anything expensive or written).
     train_rows = load_rows("train_dataset", config.train_dataset, "train", config.seed, dataset_loader)
@@ -455,11 +455,6 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
     run.tracer = trace.install(trace.Tracer("trainer", f"rank {rank}") if trace.enabled_by_env() else None)
     executor.staleness.trace_process = f"rollout rank {rank}"
     return run
-
-
-def _wandb_config(config):
-    """``config.logger.wandb`` (every top-level config has a ``logger`` section: RunConfig)."""
-    return config.logger.wandb
 
 
 def _prepare_output_dir(config, recover_path: str | None) -> None:
