@@ -1,8 +1,8 @@
 """The rollout client (arealite.inference.remote) against fake, stalled, killed and real servers.
 
 * Payloads: requests the client sends and the SGLang replies it parses, with the field names
-  and types of ``../shared/reference/inference-protocols.md`` §1.1 (incl. abort replies with and
-  without partial tokens), and the same shapes produced by our server's scheduler.
+  and types of SGLang's native ``/generate`` replies (docs.sglang.ai, "Native APIs"; incl. abort
+  replies with and without partial tokens), and the same shapes produced by our server's scheduler.
 * Failures: a server that accepts connections and never answers -> ``ServerTimeoutError``
   within the configured bound; a stalled or killed server next to a live one -> requests move.
 * 16 long requests in flight -> pause -> weight update -> continue: all finish, versions switch
@@ -105,7 +105,7 @@ def stalled_server():
 
 # ------------------------------------------------------------------------------- payload shapes
 
-# Verbatim shapes from inference-protocols.md §1.1: a waiting-queue abort without any token list
+# Verbatim shapes of SGLang's /generate replies: a waiting-queue abort without any token list
 # (mid-2025 SGLang, weight_version absent), a running abort with partial tokens and SGLang's
 # string weight_version, then a stop on a matched token.
 ABORT_BEFORE_PREFILL = {"text": "", "meta_info": {
