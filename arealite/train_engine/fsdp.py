@@ -443,7 +443,11 @@ class FSDPEngine(TrainEngine):
         self.n_skipped_steps, self._consecutive_skips = state["n_skipped_steps"], state["consecutive_skips"]
 
     def destroy(self) -> None:
+        """End the process group (collective: every rank calls it at the end of a run). A barrier
+        first, so no rank tears gloo down while a peer's last collective is still in flight (a
+        rank exiting with gloo work pending can abort in its C++ teardown)."""
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 

@@ -106,6 +106,7 @@ def main():
                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     results["init"] = {"params": {n: init[n].flatten()[:256].tolist() for n in sorted(init)}}
     json.dump(results, open(out_path, "w"))
+    dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     dist.destroy_process_group()
 
 

@@ -73,6 +73,7 @@ def main():
             "params": {n: state[n].flatten()[:64].tolist() for n in names}}
     if rank == 0:
         json.dump(results, open(out_path, "w"))
+    dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     dist.destroy_process_group()
 
 
