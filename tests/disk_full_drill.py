@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from arealite.utils import recover
+from arealite.utils.proc import exit_without_teardown
 
 root = sys.argv[1]
 dist.init_process_group("gloo", init_method=f"file://{root}.store", rank=0, world_size=1)
@@ -54,3 +55,4 @@ same = all(torch.equal(saved[k], v) for k, v in eng.model.state_dict().items())
 print(json.dumps({"message": message, "complete": [s for s, _ in complete], "loaded_step": step,
                   "params_restored": same, "left": sorted(os.listdir(root))}))
 dist.destroy_process_group()
+exit_without_teardown()  # results printed, group destroyed: skip finalisation (see its docstring)

@@ -152,6 +152,7 @@ import sys
 import torch.distributed as dist
 from arealite.api.config import TrainEngineConfig
 from arealite.train_engine.fsdp import FSDPEngine
+from arealite.utils.proc import exit_without_teardown
 from arealite.weights.sync import WeightSyncError, broadcast_weights
 actor = FSDPEngine(TrainEngineConfig(path=sys.argv[1]))
 actor.initialize(sys.argv[1])
@@ -160,6 +161,7 @@ try:
 except WeightSyncError as e:
     print(f"rank {dist.get_rank()} failed {e.failed}", flush=True)
 actor.destroy()
+exit_without_teardown()
 """
 
 

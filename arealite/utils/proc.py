@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -87,3 +88,22 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+def exit_without_teardown(code: int = 0) -> None:
+    """End this process now with exit status ``code``: flush stdout/stderr, then ``os._exit``,
+    skipping the interpreter's finalisation and C++ static destructors.
+
+    For multi-rank ``torchrun`` scripts whose results are already written and whose process group
+    is already destroyed: under load, a background C++ thread of torch.distributed (gloo) has
+    aborted that finalisation ("terminate called without an active exception", SIGABRT) after
+    everything was on disk — seen in CI in 2-rank FSDP test scripts, even after a barrier and
+    ``destroy_process_group``; torchrun then reports the whole job failed. Never call it before the
+    process's files are closed: buffered writes of open file objects are lost.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing left to keep
+            pass
+    os._exit(code)

@@ -35,6 +35,7 @@ from arealite.train_engine.fsdp import FSDPEngine, init_distributed
 from arealite.train_engine.lora import LoRAReference, trainable_state
 from arealite.inference.remote import RemoteInferenceEngine, post_json
 from arealite.trainer.weight_update import sync_weights
+from arealite.utils.proc import exit_without_teardown
 
 PROMPT = [1, 17, 300, 4000, 25, 9]
 TEMPERATURE = 0.7
@@ -141,5 +142,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_without_teardown()  # results written: skip finalisation (see its docstring)

@@ -33,6 +33,7 @@ from arealite.api.config import OptimizerConfig, RecoverConfig, TrainEngineConfi
 from arealite.dataset.loader import EpochLoader
 from arealite.train_engine.fsdp import FSDPEngine, init_distributed
 from arealite.utils.data import pad_and_stack
+from arealite.utils.proc import exit_without_teardown
 
 N_ROWS, ROWS_PER_RANK = 24, 4
 
@@ -112,7 +113,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Seen once under load: a background C++ thread aborted interpreter teardown ("terminate called
-    # without an active exception", SIGABRT) after everything was written; the results are on disk.
-    sys.stdout.flush()
-    os._exit(0)
+    exit_without_teardown()  # results written: skip finalisation (see its docstring)

@@ -31,6 +31,7 @@ from arealite.algorithms.grpo import GRPO
 from arealite.algorithms.gspo import GSPO
 from arealite.api.config import GRPOAlgoConfig, GSPOAlgoConfig, OptimizerConfig, TrainEngineConfig
 from arealite.train_engine.fsdp import FSDPEngine, init_distributed
+from arealite.utils.proc import exit_without_teardown
 
 TEMPERATURE = 0.7
 GROUP = 4
@@ -105,10 +106,12 @@ def main():
     init = get_model_state_dict(new_engine(model_dir, trainable=False).model,
                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     results["init"] = {"params": {n: init[n].flatten()[:256].tolist() for n in sorted(init)}}
-    json.dump(results, open(out_path, "w"))
+    with open(out_path, "w") as f:
+        json.dump(results, f)
     dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # results written, group destroyed: skip finalisation (see its docstring)

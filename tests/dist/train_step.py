@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from arealite.train_engine.fsdp import FSDPCriticEngine, FSDPEngine, init_distributed
+from arealite.utils.proc import exit_without_teardown
 
 # (max_tokens_per_mb, packing): 162 real tokens → 1 micro-batch at 10_000, 4 at 41 (1 rank)
 SETTINGS = [(10_000, True), (41, True), (10_000, False), (41, False)]
@@ -72,10 +73,12 @@ def main():
             "n_microbatches": steps[0]["n_microbatches"],
             "params": {n: state[n].flatten()[:64].tolist() for n in names}}
     if rank == 0:
-        json.dump(results, open(out_path, "w"))
+        with open(out_path, "w") as f:
+            json.dump(results, f)
     dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # results written, group destroyed: skip finalisation (see its docstring)

@@ -31,6 +31,7 @@ from arealite.api.engine import InferenceEngine  # noqa: E402
 from arealite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta  # noqa: E402
 from arealite.trainer.rl_loop import run_rl, setup_rl  # noqa: E402
 from arealite.workflow.rlvr import RLVRWorkflow  # noqa: E402
+from arealite.utils.proc import exit_without_teardown
 
 
 class HFInferenceEngine(InferenceEngine):
@@ -137,3 +138,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_without_teardown()  # results written: skip finalisation (see its docstring)
