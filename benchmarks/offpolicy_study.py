@@ -65,7 +65,8 @@ def run_cell(eta: int, method: str, args, root: str) -> dict:
     """One training run; figures from its ``stats.jsonl`` (times in seconds from process start)."""
     trial = f"eta{eta}_{method}" + (f"_stale{args.forced_stale}" if args.forced_stale else "")
     recipe = os.path.join(ROOT, "recipes", "grpo_math.py")
-    flags = ["--fileroot", root, "--trial_name", trial, "--total_train_steps", str(args.steps),
+    flags = ["--config", os.path.join(ROOT, "recipes", "configs", "grpo_math.yaml"),  # README command 1's run
+             "--fileroot", root, "--trial_name", trial, "--total_train_steps", str(args.steps),
              "--rollout.max_head_offpolicyness", str(eta), "--evaluator.freq_steps", str(args.eval_every),
              "--evaluator.at_start", "True", "--evaluator.at_end", "True", "--seed", str(args.seed),
              *(["--actor.path", args.model] if args.model else []),
@@ -89,7 +90,9 @@ def run_cell(eta: int, method: str, args, root: str) -> dict:
     curve.append((reached[max(reached)] - start, summary.get("eval/accuracy_end", float("nan"))))
     within = [acc for t, acc in curve if t <= args.budget_s]
     first = next((t for t, acc in curve if acc >= args.target), None)
-    mean = lambda key: sum(s.get(key, 0.0) for s in steps) / max(len(steps), 1)  # noqa: E731
+    def mean(key):  # over the steps that logged it (bypass mode has no π_prox: no mismatch figures)
+        vals = [s[key] for s in steps if key in s]
+        return sum(vals) / len(vals) if vals else None
     return {"eta": eta, "method": method, "forced_stale": args.forced_stale, "wall_s": wall,
             "acc_end": summary.get("eval/accuracy_end"), "acc_budget": within[-1] if within else None,
             "time_to_target_s": first, "mismatch_kl_k3": mean("actor/mismatch/kl_k3"), "ess": mean("actor/behav/ess"),
@@ -102,15 +105,15 @@ def _fmt(v, spec=".3f"):
 
 
 def table(results: list[dict], args) -> str:
-    lines = [f"| η | method | acc after {args.steps} steps | acc at {args.budget_s:.0f} s | time to {args.target} (s) "
-             "| mismatch KL k3 | ESS | masked | wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| η | forced stale | method | acc after {args.steps} steps | acc at {args.budget_s:.0f} s | time to {args.target} (s) "
+             "| mismatch KL k3 | ESS | masked | wall (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['eta']} | {r['method']} | failed | | | | | | |")
+            lines.append(f"| {r['eta']} | {r.get('forced_stale', 0)} | {r['method']} | failed | | | | | | |")
             continue
-        lines.append(f"| {r['eta']} | {r['method']} | {_fmt(r['acc_end'])} | {_fmt(r['acc_budget'])} | "
-                     f"{_fmt(r['time_to_target_s'], '.0f')} | {r['mismatch_kl_k3']:.2e} | {r['ess']:.3f} | "
-                     f"{r['masked_frac']:.3f} | {r['wall_s']:.0f} |")
+        lines.append(f"| {r['eta']} | {r.get('forced_stale', 0)} | {r['method']} | {_fmt(r['acc_end'])} | {_fmt(r['acc_budget'])} | "
+                     f"{_fmt(r['time_to_target_s'], '.0f')} | {_fmt(r['mismatch_kl_k3'], '.2e')} | {_fmt(r['ess'])} | "
+                     f"{_fmt(r['masked_frac'])} | {r['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -120,12 +123,13 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    etas = sorted({r["eta"] for r in results})
-    fig, axes = plt.subplots(1, len(etas), figsize=(4.5 * len(etas), 3.4), squeeze=False)
-    for ax, eta in zip(axes[0], etas):
-        for r in (r for r in results if r["eta"] == eta and "curve" in r):
+    settings = sorted({(r["eta"], r.get("forced_stale", 0)) for r in results})
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.4), squeeze=False)
+    for ax, (eta, stale) in zip(axes[0], settings):
+        for r in (r for r in results if (r["eta"], r.get("forced_stale", 0)) == (eta, stale) and "curve" in r):
             ax.plot([t for t, _ in r["curve"]], [a for _, a in r["curve"]], "o-", ms=3, label=r["method"])
-        ax.set(title=f"η = {eta}", xlabel="wall time (s)", ylabel="held-out accuracy (greedy)")
+        ax.set(title=f"η = {eta}" + (f", weights pushed every {stale} updates" if stale else ""),
+               xlabel="wall time (s)", ylabel="held-out accuracy (greedy)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -158,8 +162,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r = run_cell(eta, method, args, root)
             results.append(r)
             print(f"η={eta} {method}: " + (f"FAILED\n{r['error']}" if "error" in r else
-                  f"acc_end {_fmt(r['acc_end'])}, acc@budget {_fmt(r['acc_budget'])}, KL {r['mismatch_kl_k3']:.2e}, "
-                  f"ESS {r['ess']:.3f}, {r['wall_s']:.0f} s"), flush=True)
+                  f"acc_end {_fmt(r['acc_end'])}, acc@budget {_fmt(r['acc_budget'])}, KL {_fmt(r['mismatch_kl_k3'], '.2e')}, "
+                  f"ESS {_fmt(r['ess'])}, {r['wall_s']:.0f} s"), flush=True)
     print(table(results, args))
     if args.json:
         with open(args.json, "w") as f:

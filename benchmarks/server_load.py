@@ -156,13 +156,16 @@ async def _load(addr: str, n_requests: int, concurrency: int, abort_frac: float,
 def run_load(addr: str, pid: int, n_requests: int = 200, concurrency: int = 64, abort_frac: float = 0.2,
              n_pauses: int = 3, max_new_tokens: tuple[int, int] = (4, 32), seed: int = 0,
              warmup_requests: int = 64) -> dict:
-    """A warm-up round (same shape, no aborts or pauses; then the memory baseline), then the load.
+    """A warm-up round of the same shape, aborts and a pause included (then the memory baseline),
+    then the load. The warm-up takes every code path the load takes, so the allocator's pools for
+    aborted rows and paused batches exist before the baseline: what grows afterwards is growth
+    per request (a leak), not first-use allocation.
 
     Returns the figures listed in the module docstring plus ``rss_before_mib`` /
     ``rss_after_mib`` (server RSS after the warm-up and after the load)."""
     with urllib.request.urlopen(f"http://{addr}/get_model_info", timeout=10) as r:
         vocab = json.loads(r.read())["vocab_size"]
-    asyncio.run(_load(addr, warmup_requests, concurrency, 0.0, 0, max_new_tokens, vocab, seed + 1))
+    asyncio.run(_load(addr, warmup_requests, concurrency, abort_frac, min(n_pauses, 1), max_new_tokens, vocab, seed + 1))
     before = rss_mib(pid)
     out = asyncio.run(_load(addr, n_requests, concurrency, abort_frac, n_pauses, max_new_tokens, vocab, seed))
     return {**out, "rss_before_mib": before, "rss_after_mib": rss_mib(pid)}
