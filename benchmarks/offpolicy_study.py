@@ -3,6 +3,7 @@
     python benchmarks/offpolicy_study.py                                   # the full grid (hours on 2 cores)
     python benchmarks/offpolicy_study.py --etas 1,4 --methods cap,icepop --steps 6 --json out.json --plot out.png
     python benchmarks/offpolicy_study.py --forced-stale 4 --etas 8        # pushes only every 4th update
+    python benchmarks/offpolicy_study.py --replot docs/offpolicy_study.json --plot docs/offpolicy_study.png
 
 Each cell runs ``recipes/grpo_math.py`` (embedded SmolLM2-135M and arithmetic task, or
 ``--model``/``--train``) for ``--steps`` updates with an in-loop greedy evaluation every
@@ -117,20 +118,55 @@ def table(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: str) -> None:
+def _title(eta: int, stale: int) -> str:
+    return f"η = {eta}" + (f", weights pushed every {stale} updates" if stale else "")
+
+
+def plot(results: list[dict], path: str, budget_s: float | None = None, steps: int | None = None) -> None:
+    """Per (η, forced stale) setting: accuracy-vs-wall-time curves (results with a ``curve``), then
+    bars of the accuracy after the fixed steps and at the budget, and the mismatch KL (k3) and
+    ESS per method (every result, also ones saved without curves)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = sorted({(r["eta"], r.get("forced_stale", 0)) for r in results})
-    fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.4), squeeze=False)
-    for ax, (eta, stale) in zip(axes[0], settings):
-        for r in (r for r in results if (r["eta"], r.get("forced_stale", 0)) == (eta, stale) and "curve" in r):
-            ax.plot([t for t, _ in r["curve"]], [a for _, a in r["curve"]], "o-", ms=3, label=r["method"])
-        ax.set(title=f"η = {eta}" + (f", weights pushed every {stale} updates" if stale else ""),
-               xlabel="wall time (s)", ylabel="held-out accuracy (greedy)")
+    ok = [r for r in results if "error" not in r]
+    settings = sorted({(r["eta"], r.get("forced_stale", 0)) for r in ok})
+    curves = any(r.get("curve") for r in ok)
+    cols = 3 if curves else 2
+    fig, axes = plt.subplots(len(settings), cols, figsize=(4.6 * cols, 3.3 * len(settings)), squeeze=False)
+    for row, (eta, stale) in zip(axes, settings):
+        rs = [r for r in ok if (r["eta"], r.get("forced_stale", 0)) == (eta, stale)]
+        names = [r["method"] for r in rs]
+        x = range(len(rs))
+        ax = row[0]
+        ax.bar([i - 0.2 for i in x], [r["acc_end"] or 0 for r in rs], 0.4, label=f"after {steps or '?'} steps")
+        ax.bar([i + 0.2 for i in x], [r["acc_budget"] or 0 for r in rs], 0.4,
+               label=f"at {budget_s:.0f} s" if budget_s else "at the budget")
+        ax.set_title(_title(eta, stale) + ": held-out accuracy", fontsize=9)
+        ax.set_ylim(0, 1)
+        ax.set_xticks(list(x), names, rotation=30, fontsize=8)
         ax.legend(fontsize=7)
+        ax = row[1]
+        ax.bar([i - 0.2 for i in x], [r["mismatch_kl_k3"] or 0 for r in rs], 0.4, color="tab:red", label="KL(μ‖π_prox), k3")
+        ax.set_xticks(list(x), names, rotation=30, fontsize=8)
+        ax.set_title(_title(eta, stale) + ": off-policyness", fontsize=9)
+        for i, r in enumerate(rs):
+            if r["mismatch_kl_k3"] is None:  # bypass: no π_prox, no mismatch figure
+                ax.text(i - 0.2, 0, "n/a", ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel("mean mismatch KL", color="tab:red")
+        twin = ax.twinx()
+        twin.bar([i + 0.2 for i in x], [r["ess"] or 0 for r in rs], 0.4, color="tab:green", label="ESS")
+        twin.set_ylim(0.9, 1.0)
+        twin.set_ylabel("mean ESS", color="tab:green")
+        if curves:
+            ax = row[2]
+            for r in rs:
+                if r.get("curve"):
+                    ax.plot([t for t, _ in r["curve"]], [a for _, a in r["curve"]], "o-", ms=3, label=r["method"])
+            ax.set(title=_title(eta, stale), xlabel="wall time (s)", ylabel="held-out accuracy (greedy)")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -150,8 +186,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--plot", default="", help="write accuracy-vs-time curves here (PNG)")
     p.add_argument("--keep", default="", help="run folders here (default: a temporary folder)")
+    p.add_argument("--replot", default="", help="only redraw --plot (and print the table) from a saved --json file")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        saved_args = argparse.Namespace(**{**vars(args), **saved["args"]})
+        print(table(saved["results"], saved_args))
+        if args.plot:
+            plot(saved["results"], args.plot, saved_args.budget_s, saved_args.steps)
+        return saved["results"]
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
@@ -169,7 +214,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, args.budget_s, args.steps)
     return results
 
 
