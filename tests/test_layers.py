@@ -19,17 +19,18 @@ PACKAGE = os.path.join(REPO_ROOT, "arealite")
 RANKS = {
     "api": 0,  # contracts: configs, dataclasses, the ABCs, the weight-update wire format
     "utils": 1,  # processes, HF loading, recover checkpoints, stats logger, timeline
-    "reward": 2, "algorithms": 2, "sandbox": 2,  # verifiers and metrics; losses; the code sandbox
-    "dataset": 3,  # rows, loaders (math rows carry answers normalised by arealite.reward)
-    "rollout": 4,  # the asyncio executor and the staleness rule
-    "train_engine": 5, "inference": 5,  # FSDP2 train engine; the HTTP inference client
-    "weights": 6,  # the trainer's weight push (the HTTP client's control calls + the process group)
-    "server": 7,  # what runs inside a generation server: ours, and the vLLM worker extension
-    "workflow": 8,  # rollouts of one data row (against the InferenceEngine ABC)
-    "agent": 9,  # the OpenAI-compatible client and proxy, on top of the workflows
-    "launcher": 10,  # processes: local servers, Ray, Slurm
-    "evaluate": 11, "report": 11,  # held-out evaluation (launches servers), the run report
-    "trainer": 12,  # the training loops, the weight-update coordinator, core sharing
+    "sandbox": 2,  # the code sandbox (model-written programs in a limited process)
+    "reward": 3, "algorithms": 3,  # verifiers (the code reward runs programs in the sandbox) and metrics; losses
+    "dataset": 4,  # rows, loaders (math rows carry answers normalised by arealite.reward)
+    "rollout": 5,  # the asyncio executor and the staleness rule
+    "train_engine": 6, "inference": 6,  # FSDP2 train engine; the HTTP inference client
+    "weights": 7,  # the trainer's weight push (the HTTP client's control calls + the process group)
+    "server": 8,  # what runs inside a generation server: ours, and the vLLM worker extension
+    "workflow": 9,  # rollouts of one data row (against the InferenceEngine ABC)
+    "agent": 10,  # the OpenAI-compatible client and proxy, on top of the workflows
+    "launcher": 11,  # processes: local servers, Ray, Slurm
+    "evaluate": 12, "report": 12,  # held-out evaluation (launches servers), the run report
+    "trainer": 13,  # the training loops, the weight-update coordinator, core sharing
 }
 ENGINES = {"train_engine", "inference", "weights", "server"}
 # Named rules beyond the ranks: (importer packages, imported packages, why).

@@ -27,7 +27,7 @@ import yaml
 
 from arealite.api.config import (CORRECTIONS, DPO_LOSS_TYPES, KL_ESTIMATORS, SURROGATES, LOSS_AGG_MODES, REWARD_NORMS, DatasetConfig, DPOAlgoConfig,
                                  EvalConfig, GenerationConfig, GRPOAlgoConfig, InferenceEngineConfig, LoRAConfig,
-                                 MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
+                                 CodeTaskConfig, MicroBatchSpec, MultiTurnConfig, OptimizerConfig, PPOAlgoConfig, RecoverConfig,
                                  ReinforcePPAlgoConfig, SandboxConfig, SaverConfig, SFTDatasetConfig, TrainEngineConfig)
 from arealite.api.config import LauncherConfig, RunConfig
 from arealite.api.from_yaml import from_dict
@@ -222,12 +222,14 @@ def _check_inference(r: "InferenceEngineConfig", p: str) -> None:
 def _check_dataset(d: "DatasetConfig", p: str) -> None:
     _number(d, p, "size", integer=True, ge=1, optional=True, fix="None = all rows")
     _number(d, p, "batch_size", integer=True, ge=1)
-    if d.path not in (None, "arithmetic", "multiplication"):  # generated tasks (dataset/math_data, multiplication)
+    # generated or packaged tasks: dataset/math_data, multiplication, code_data (code, humaneval)
+    if d.path not in (None, "arithmetic", "multiplication", "code", "humaneval"):
         try:
             dataset_source(d.path)
         except ValueError as e:
             raise ConfigError(p + "path", f"{e}; or null/'arithmetic' for the embedded task "
-                              "('multiplication' in recipes/agents/multiply_tool.py)") from None
+                              "('multiplication' in recipes/agents/multiply_tool.py, 'code'/'humaneval' in "
+                              "recipes/code_grpo.py)") from None
     if d.instruction is not None and (isinstance(d, SFTDatasetConfig) or not isinstance(d.instruction, str)):
         raise ConfigError(p + "instruction", f"{d.instruction!r}: pass a string appended to each math prompt "
                           "('' = the bare question), or null for the format's default; SFT/preference data take none")
@@ -418,6 +420,11 @@ def _check_sandbox(s: "SandboxConfig", p: str) -> None:
         raise ConfigError(p + "memory_mb", f"{s.memory_mb}: Python needs at least 64 MiB of address space")
 
 
+def _check_code_task(c: "CodeTaskConfig", p: str) -> None:
+    _number(c, p, "visible_tests", integer=True, ge=1, fix="tests shown to the model after a failed turn")
+    _number(c, p, "max_parallel", integer=True, ge=1, fix="programs scored at once")
+
+
 def _check_launcher(c: "LauncherConfig", p: str) -> None:
     for name, fix in (("n_nodes", "nodes of the job"), ("trainer_nodes", "nodes that run trainer ranks"),
                       ("trainer_ranks", "the trainer's world size"), ("trainer_cpus", "CPUs per trainer rank")):
@@ -574,4 +581,5 @@ _CHECKS += [
     (DatasetConfig, _check_dataset), (GRPOAlgoConfig, _check_grpo_algo), (DPOAlgoConfig, _check_dpo_algo),
     (SaverConfig, _check_saver), (EvalConfig, _check_eval), (RecoverConfig, _check_recover), (MultiTurnConfig, _check_multi_turn),
     (SandboxConfig, _check_sandbox), (LoRAConfig, _check_lora), (LauncherConfig, _check_launcher),
+    (CodeTaskConfig, _check_code_task),
 ]

@@ -436,6 +436,29 @@ class ToolAgentGRPOConfig(GRPOConfig):
 
 
 @dataclass
+class CodeTaskConfig:
+    """Reward and feedback of the code workflow (arealite/workflow/code.py)."""
+
+    visible_tests: int = 2  # tests whose failure comes back to the model between turns (the first k)
+    fraction: bool = False  # reward = fraction of the hidden tests passed, instead of 1 only when all pass
+    max_parallel: int = 2  # programs scored at once per rollout process (each is one sandbox process)
+
+
+@dataclass
+class CodeGRPOConfig(GRPOConfig):
+    """Top-level config of recipes/code_grpo.py: GRPO on programs rewarded by unit tests.
+
+    ``agent.max_turns`` 1 = single-turn code RL; more = the code agent (visible-test failures
+    come back as the next turn, the hidden tests decide the reward)."""
+
+    experiment_name: str = "code_grpo"
+    agent: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig(max_turns=1, turn_discount=1.0))
+    code: CodeTaskConfig = field(default_factory=CodeTaskConfig)
+    # The code reward's limits: all of a program's tests run in one call; 64 KiB so the verdicts fit.
+    sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(max_output_bytes=1 << 16))
+
+
+@dataclass
 class ProxyConfig:
     """The OpenAI-compatible training proxy (arealite/agent/proxy.py) and its sessions."""
 
