@@ -17,7 +17,6 @@ from arealite.reward import code as C
 from arealite.reward.worker import RewardWorker
 from arealite.sandbox import SandboxConfig, namespace_available
 
-from conftest import REPO_ROOT
 
 MODES = ["rlimit"] + (["namespace"] if namespace_available() else [])
 FAST = SandboxConfig(timeout=3.0, cpu_time=2, memory_mb=512, max_output_bytes=1 << 16)
@@ -191,10 +190,11 @@ def test_unreadable_secret_file_is_refused_when_running_unprivileged(mode):
 
 
 def test_writing_outside_the_temporary_folder_is_refused_or_private(mode):
-    """A root-owned folder (the repository): refused. The world-writable places (/var/tmp, /dev/shm):
-    refused in the rlimit mode, private throw-away tmpfs in the namespace mode. Nothing reaches the host."""
-    name = f"escaped_{os.getpid()}.txt"
-    repo_file = os.path.join(REPO_ROOT, name)
+    """A root-owned folder (/etc, visible in both modes, also when the clone is under /tmp): refused.
+    The world-writable places (/var/tmp, /dev/shm): refused in the rlimit mode, private throw-away
+    tmpfs in the namespace mode. Nothing reaches the host."""
+    name = f"arealite_escaped_{os.getpid()}.txt"
+    repo_file = os.path.join("/etc", name)
     r = score(f"open({repo_file!r}, 'w').write('x')\ndef add(a, b):\n    return a + b", mode=mode)
     assert (r.reward, r.outcome) == (0.0, "sandbox_refused"), r
     for folder in ("/var/tmp", "/dev/shm"):
