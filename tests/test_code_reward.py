@@ -164,7 +164,9 @@ found = []
 roots = {os.getcwd(), "/var/tmp", "/dev/shm"} | {os.path.join("/tmp", d) for d in os.listdir("/tmp")
                                                 if d.startswith("arealite_sbx_")}  # this and other sandbox calls
 for root in roots:
-    for dirpath, _, files in os.walk(root):
+    for dirpath, dirs, files in os.walk(root):
+        # not into an interpreter bound back read-only (a clone under /tmp shows its .venv there)
+        dirs[:] = [d for d in dirs if not d.endswith("venv") and d not in ("lib", "site-packages")]
         for f in files:
             try:
                 text = open(os.path.join(dirpath, f), errors="ignore").read(1 << 20)
