@@ -183,18 +183,10 @@ def score_code_rows(rows: list[dict], completions: list[list[str]], concurrency:
     programs at a time. Records: ``task_id``, ``question``, ``completions``, ``correct`` (all tests
     pass), ``outcomes`` (:data:`arealite.reward.code.OUTCOMES`), ``programs`` (what the extractor
     took from each completion) and ``answers`` (None: programs do not vote)."""
-    from arealite.reward.code import ascore_code
+    from arealite.reward.code import ascore_many, run_sync
 
-    async def run_all():
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(text, answer):
-            async with sem:
-                return await ascore_code(text, answer)
-
-        return await asyncio.gather(*[one(t, r["answer"]) for r, c in zip(rows, completions) for t in c])
-
-    results = _run_sync(run_all)
+    results = run_sync(lambda: ascore_many([(t, r["answer"]) for r, c in zip(rows, completions) for t in c],
+                                           concurrency))
     records, i = [], 0
     for r, c in zip(rows, completions):
         res, i = results[i : i + len(c)], i + len(c)
@@ -203,21 +195,6 @@ def score_code_rows(rows: list[dict], completions: list[list[str]], concurrency:
                         "outcomes": [x.outcome for x in res], "programs": [x.code for x in res],
                         "answers": [None] * len(c)})
     return records
-
-
-def _run_sync(make_coro: Callable[[], Awaitable]):
-    """``asyncio.run(make_coro())``, in a helper thread when this thread already runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make_coro())
-    box: list = []
-    t = threading.Thread(target=lambda: box.append(asyncio.run(make_coro())), name="score_code_rows")
-    t.start()
-    t.join()
-    if not box:
-        raise RuntimeError("scoring the programs failed (see the traceback above)")
-    return box[0]
 
 
 def evaluate_hf(model_path: str, rows: list[dict], max_new_tokens: int = 24, batch_size: int = 32) -> float:

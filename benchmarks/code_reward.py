@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from arealite.dataset.code_data import FAMILIES, all_problems, humaneval_problems  # noqa: E402
-from arealite.reward.code import ascore_code, problem_answer  # noqa: E402
+from arealite.reward.code import ascore_many, problem_answer  # noqa: E402
 
 # Reference solutions of the synthetic families (the same as tests/test_code_data.py's).
 _SOLUTIONS = {
@@ -56,14 +56,8 @@ def workload() -> list[tuple[str, str]]:
 
 
 async def _score_all(pairs, parallel: int) -> tuple[float, list]:
-    sem = asyncio.Semaphore(parallel)
-
-    async def one(text, answer):
-        async with sem:
-            return await ascore_code(text, answer)
-
     t0 = time.perf_counter()
-    results = await asyncio.gather(*[one(t, a) for t, a in pairs])
+    results = await ascore_many(pairs, parallel)
     return time.perf_counter() - t0, results
 
 

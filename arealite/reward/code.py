@@ -63,12 +63,13 @@ import re
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from arealite.sandbox import SandboxConfig, SandboxResult, arun_python
 
 __all__ = ["OUTCOMES", "OUTCOME_COUNTS", "CODE_SANDBOX", "CodeResult", "extract_code", "assemble_program",
-           "problem_answer", "visible_problem", "test_source", "ascore_code", "score_code", "code_reward", "code_reward_fraction"]
+           "problem_answer", "visible_problem", "test_source", "ascore_code", "ascore_many", "score_code",
+           "run_sync", "code_reward", "code_reward_fraction"]
 logger = logging.getLogger("arealite.reward")
 
 OUTCOMES = ("pass", "wrong_answer", "syntax_error", "timeout", "runtime_error", "memory", "output_limit",
@@ -422,29 +423,53 @@ async def ascore_code(completion: str, problem: dict | str, fraction: bool = Fal
     return _finish(code, n, passed, outcome, detail, fraction, first)
 
 
-def score_code(completion: str, problem: dict | str, fraction: bool = False,
-               config: SandboxConfig | None = None, max_stdout_bytes: int = MAX_STDOUT_BYTES) -> CodeResult:
-    """Blocking :func:`ascore_code` (runs its own event loop; in a helper thread when the calling
-    thread already runs one)."""
-    coro = ascore_code(completion, problem, fraction, config, max_stdout_bytes)
+def run_sync(make_coro: Callable[[], Awaitable[Any]]) -> Any:
+    """``asyncio.run(make_coro())`` from synchronous code, in a helper thread when the calling
+    thread already runs an event loop (e.g. a workflow's in-process evaluation). Exceptions of the
+    coroutine are re-raised here."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        return asyncio.run(make_coro())
     box: list = []
 
     def target() -> None:
         try:
-            box.append(asyncio.run(coro))
+            box.append(asyncio.run(make_coro()))
         except BaseException as e:  # re-raised below
             box.append(e)
 
-    t = threading.Thread(target=target, name="score_code")
+    t = threading.Thread(target=target, name="arealite-run-sync")
     t.start()
     t.join()
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
+
+
+def score_code(completion: str, problem: dict | str, fraction: bool = False,
+               config: SandboxConfig | None = None, max_stdout_bytes: int = MAX_STDOUT_BYTES) -> CodeResult:
+    """Blocking :func:`ascore_code` (through :func:`run_sync`)."""
+    return run_sync(lambda: ascore_code(completion, problem, fraction, config, max_stdout_bytes))
+
+
+async def ascore_many(pairs: list[tuple[str, dict | str]], parallel: int = 4, fraction: bool = False,
+                      config: SandboxConfig | None = None) -> list[CodeResult]:
+    """:func:`ascore_code` of every ``(completion, problem)`` pair, at most ``parallel`` sandbox
+    processes at a time; results in the order of ``pairs``.
+
+    Raises:
+        ValueError: ``parallel`` < 1, or a malformed problem (as :func:`ascore_code`).
+    """
+    if not (isinstance(parallel, int) and parallel >= 1):
+        raise ValueError(f"parallel={parallel!r}: programs scored at once must be an int >= 1")
+    sem = asyncio.Semaphore(parallel)
+
+    async def one(text: str, problem: dict | str) -> CodeResult:
+        async with sem:
+            return await ascore_code(text, problem, fraction, config)
+
+    return list(await asyncio.gather(*[one(t, p) for t, p in pairs]))
 
 
 def code_reward(completion: str, answer: str) -> float:
