@@ -79,6 +79,9 @@ class DynamicSampling(RolloutWorkflow):
     def __init__(self, inner: RolloutWorkflow, max_consecutive_rejections: int = 256):
         self.inner, self.max_rejections, self.rejected_in_a_row = inner, max_consecutive_rejections, 0
 
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
     async def arun_episode(self, engine, data):
         traj = await self.inner.arun_episode(engine, data)
         if traj is not None and should_accept(traj):

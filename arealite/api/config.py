@@ -395,6 +395,99 @@ class DPOConfig(RunConfig):
 
 
 @dataclass
+class RMAlgoConfig:
+    """Bradley–Terry reward-model loss (arealite/algorithms/reward_model.py)."""
+
+    margin: float = 0.0  # m: −log σ(r_w − r_l − m) (Llama 2's margin loss; 0 = plain BT)
+    center_coef: float = 0.0  # c of c·(r_w + r_l)², keeps rewards centred at 0 (0 = off)
+
+
+@dataclass
+class RMConfig(RunConfig):
+    """Top-level config of recipes/rm_math.py: a reward model trained on preference pairs (no
+    servers). ``actor`` is the reward model: a causal-LM folder (a new zero ``score`` head) or a
+    reward model to train further; ``evaluator``: held-out pairwise accuracy at the start, every
+    ``freq_steps`` steps and at the end."""
+
+    experiment_name: str = "rm_math"
+    total_train_steps: int = 40
+    evaluator: EvalConfig = field(default_factory=lambda: EvalConfig(freq_steps=10))
+    actor: TrainEngineConfig = field(default_factory=lambda: TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-5)))
+    algo: RMAlgoConfig = field(default_factory=RMAlgoConfig)
+    # pairs: a preference jsonl (prompt/messages, chosen, rejected); None = embedded arithmetic pairs
+    train_dataset: SFTDatasetConfig = field(default_factory=lambda: SFTDatasetConfig(batch_size=8))
+    valid_dataset: SFTDatasetConfig = field(default_factory=lambda: SFTDatasetConfig(size=64, batch_size=16))
+
+
+@dataclass
+class RewardModelConfig:
+    """A reward-model server as a reward source (arealite/reward/sources.py::RemoteRewardModel)."""
+
+    path: str = ""  # reward-model folder (recipes/rm_math.py's final/) served by a launched server
+    url: str = ""  # or a running server, "host:port" (ours, SGLang's /classify, OpenRLHF's serve_rm)
+    protocol: Literal["classify", "get_reward"] = "classify"  # /classify (token ids) | /get_reward (text)
+    weight: float = 1.0  # its weight in the combined reward
+    timeout: float = 30.0  # per request [s]; a failed score drops the group (counted)
+    max_concurrency: int = 16  # requests in flight per rollout process
+    server_threads: int = 1  # torch threads of the launched server
+    max_batch_size: int = 32  # sequences per forward of the launched server
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge as a reward source (arealite/reward/sources.py::LLMJudge)."""
+
+    path: str = ""  # judge model folder (a causal LM with a chat template); "" = no judge
+    # its servers (addresses [] = launch n_servers of `backend`); never sent weights, never restarted
+    engine: InferenceEngineConfig = field(default_factory=lambda: InferenceEngineConfig(max_server_restarts=0))
+    weight: float = 1.0  # its weight in the combined reward
+    max_score: int = 10  # the judge answers "Score: N", N in [0, max_score]; reward = N / max_score
+    rubric: str = "Grade the response for correctness of its final answer and clarity of its reasoning."
+    use_reference: bool = True  # show the row's reference answer to the judge
+    max_new_tokens: int = 32  # the judge's reply budget [tokens]
+    timeout: float = 60.0  # per judgement [s]
+    max_concurrency: int = 16  # judgements in flight per rollout process
+
+
+@dataclass
+class LearnedRewardConfig:
+    """The reward of recipes/grpo_rlhf.py: Σ weight × source over the sources that are set; every
+    component is logged (``rollout/reward_<name>``) even at weight 0."""
+
+    verifier_weight: float = 0.0  # math_reward (0 = logged beside a learned reward, not paid)
+    length_penalty: float = 0.0  # −coef × completion tokens (0 = off)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+
+@dataclass
+class RLHFConfig(GRPOConfig):
+    """Top-level config of recipes/grpo_rlhf.py: GRPO against a reward model, an LLM judge, a
+    verifier, or a weighted sum of them; the held-out accuracy is always the verifier's."""
+
+    experiment_name: str = "grpo_rlhf"
+    reward: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)
+
+
+@dataclass
+class TeacherConfig:
+    """The frozen teacher of on-policy distillation (recipes/distill_math.py)."""
+
+    path: str = ""  # teacher model folder (same tokenizer as the student), e.g. README command 1's final/
+    # its servers (addresses [] = launch n_servers of `backend`: local or sglang); never sent weights
+    engine: InferenceEngineConfig = field(default_factory=lambda: InferenceEngineConfig(max_server_restarts=0))
+
+
+@dataclass
+class DistillConfig(GRPOConfig):
+    """Top-level config of recipes/distill_math.py: on-policy distillation (the student samples,
+    the teacher's per-token reverse KL is the advantage) through GRPO's loop."""
+
+    experiment_name: str = "distill_math"
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+
+
+@dataclass
 class SandboxConfig:
     """Limits of one sandboxed Python run (arealite/sandbox.py explains the isolation modes)."""
 

@@ -110,6 +110,18 @@ class InferenceEngine(abc.ABC):
             TimeoutError / RuntimeError: no server answered within the configured bound.
         """
 
+    async def aprompt_logprobs(self, input_ids: list[int], start: int = 1, temperature: float = 1.0,
+                               rid: str | None = None) -> list[float]:
+        """log π(input_ids[t] | input_ids[:t]) for t = start … P−1 under ``temperature`` (nats,
+        length P − start), without generating: a frozen teacher scoring a student's tokens
+        (on-policy distillation), a judge's likelihood.
+
+        Raises:
+            NotImplementedError: by default (a backend that cannot return prompt logprobs).
+            ValueError: ``start`` outside [1, P).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not return prompt logprobs")
+
     def weight_update_meta(self, path: str, version: int) -> WeightUpdateMeta:
         """Where the trainer writes the weights of ``version`` (called on every trainer rank after
         :meth:`pause_generation`). The default: an HF folder at ``path`` (``type="disk"``), which

@@ -39,6 +39,10 @@ class RolloutWorkflow(abc.ABC):
         """Release what the workflow owns (reward processes, sandboxes); called once at the end of
         a run. The default does nothing."""
 
+    async def aclose(self) -> None:
+        """Close what is bound to the running event loop (e.g. a reward source's HTTP sessions);
+        the rollout executor calls it when its loop ends. The default does nothing."""
+
     def reward_counters(self) -> dict[str, float]:
         """Cumulative counters of the reward computation, named ``reward/<name>`` (``calls``,
         ``timeout``, ``crash``, ``memory``, ``non_finite``, ...), the same keys on every rank;

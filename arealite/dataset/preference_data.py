@@ -89,3 +89,22 @@ class PreferenceCollator(SFTCollator):
             for key in ("chosen", "rejected"):
                 examples.append(tokenize_example(self.tokenizer, r["messages"], r[key], self.max_length))
         return pad_batch(examples, self.pad_id)
+
+
+class RewardPairCollator(SFTCollator):
+    """``collate_fn`` for reward-model training on pairs: rows ``[chosen_0, rejected_0, ...]``,
+    each prompt + response + EOS cut to ``max_length``, in the scoring layout of
+    :func:`arealite.algorithms.reward_model.reward_batch` (one extra pad token per row carries the
+    only ``loss_mask`` = 1). ``input_ids`` [2P, T] int64, ``attention_mask`` [2P, T] bool,
+    ``loss_mask`` [2P, T] int32.
+
+    Raises:
+        ValueError: ``max_length`` ≤ 0 (names ``train_dataset.max_length``).
+    """
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        from arealite.algorithms.reward_model import reward_batch
+
+        seqs = [tokenize_example(self.tokenizer, r["messages"], r[key], self.max_length)[0]
+                for r in rows for key in ("chosen", "rejected")]
+        return reward_batch(seqs, self.pad_id)

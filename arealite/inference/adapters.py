@@ -69,6 +69,24 @@ class SGLangAdapter:
         return ([int(t[1]) for t in triples], [float(t[0]) for t in triples],
                 meta["finish_reason"]["type"], version)
 
+    @staticmethod
+    def build_score_request(input_ids: list[int], start: int, temperature: float) -> dict:
+        """Prompt logprobs, no generation: ``max_new_tokens: 0``, ``return_logprob: true``,
+        ``logprob_start_len: start`` (SGLang's native fields)."""
+        return {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+                "return_logprob": True, "logprob_start_len": start, "stream": False}
+
+    @staticmethod
+    def parse_score_response(result: dict, n: int) -> list[float]:
+        """The ``n`` logprobs of ``meta_info.input_token_logprobs`` (triples ``[logprob, id, text]``).
+
+        Raises: ServerError: the reply has no such list, the wrong length, or a null logprob."""
+        triples = (result.get("meta_info") or {}).get("input_token_logprobs")
+        if not isinstance(triples, list) or len(triples) != n or any(t[0] is None for t in triples):
+            raise ServerError(f"expected {n} input_token_logprobs in the reply, got "
+                              f"{None if triples is None else len(triples)} (does the server support logprob_start_len?)")
+        return [float(t[0]) for t in triples]
+
     pause = ("/pause_generation", {})
     resume = ("/continue_generation", {})
 
@@ -161,6 +179,16 @@ class VLLMAdapter:
         if len(tokens) != len(logprobs):
             raise ServerError(f"vLLM reply has {len(tokens)} tokens but {len(logprobs)} logprobs")
         return tokens, logprobs, choice.get("finish_reason") or "abort", None
+
+    @staticmethod
+    def build_score_request(input_ids: list[int], start: int, temperature: float) -> dict:
+        """Not supported: vLLM's ``prompt_logprobs`` are not yet wired (and tested) here.
+
+        Raises: NotImplementedError naming the alternative."""
+        raise NotImplementedError("prompt logprobs (a distillation teacher) through vLLM are not supported yet; "
+                                  "serve the teacher with teacher.engine.backend local (or sglang)")
+
+    parse_score_response = None
 
     pause = ("/pause?mode=abort", {})
     resume = ("/resume", {})

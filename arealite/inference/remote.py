@@ -38,6 +38,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 import urllib.error
 import urllib.request
 from collections import OrderedDict
@@ -364,6 +365,22 @@ class RemoteInferenceEngine(InferenceEngine):
         if resp.stop_reason == "abort":  # aborted exactly at the end of the budget
             resp.stop_reason = "length"
         return resp
+
+    async def aprompt_logprobs(self, input_ids: list[int], start: int = 1, temperature: float = 1.0,
+                               rid: str | None = None) -> list[float]:
+        """See :meth:`InferenceEngine.aprompt_logprobs`: one ``max_new_tokens: 0`` request with
+        ``logprob_start_len`` (SGLang and our server), with the failover of generation.
+
+        Raises:
+            ValueError: ``start`` outside [1, len(input_ids)).
+            NotImplementedError: the backend has no prompt-logprob request (vLLM, for now).
+            ServerError / ServerTimeoutError: as :meth:`agenerate`, or a reply without the logprobs.
+        """
+        if not 1 <= start < len(input_ids):
+            raise ValueError(f"aprompt_logprobs: start={start} must be in [1, {len(input_ids)})")
+        payload = self.adapter.build_score_request(list(input_ids), start, temperature)
+        result = await self._generate_segment(rid or uuid.uuid4().hex, payload)
+        return self.adapter.parse_score_response(result, len(input_ids) - start)
 
     # -- weight updates (called by trainer rank 0) --------------------------------------------------
     def _all_servers(self, endpoint: str, payload: dict | None = None, method: str = "POST") -> list[dict]:

@@ -480,6 +480,43 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
     return addresses
 
 
+def launch_reward_server(model_path: str, log_dir: str, threads: int = 1, max_batch_size: int = 32,
+                         request_timeout: float = 60.0, setup_timeout: float = 300.0) -> str:
+    """Start ``python -m arealite.server.reward_model`` on a free loopback port with ``threads``
+    torch threads and wait for ``/health``; it is killed when this process exits (``--parent-pid``
+    and atexit). Log: ``log_dir/reward_server.log``. Returns ``127.0.0.1:port``.
+
+    Raises:
+        ValueError: ``model_path`` is not a 1-label sequence-classification folder (checked here,
+            before anything starts).
+        TimeoutError: not healthy within ``setup_timeout`` [s] (the process is killed; see the log).
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    if not any(a.endswith("ForSequenceClassification") for a in (cfg.architectures or [])) or cfg.num_labels != 1:
+        raise ValueError(f"reward.reward_model.path: {model_path} is not a reward model (architectures "
+                         f"{cfg.architectures}); train one with recipes/rm_math.py and pass its final/ folder")
+    os.makedirs(log_dir, exist_ok=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "arealite.server.reward_model", "--model-path", model_path, "--host", "127.0.0.1",
+           "--port", str(port), "--num-threads", str(threads), "--max-batch-size", str(max_batch_size),
+           "--request-timeout", str(request_timeout), "--parent-pid", str(os.getpid())]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    log = open(os.path.join(log_dir, "reward_server.log"), "a")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    atexit.register(stop_processes, [proc])
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_healthy([address], setup_timeout)
+    except BaseException:
+        stop_processes([proc])
+        raise
+    return address
+
+
 def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1) -> RemoteInferenceEngine:
     """The rollout engine of this rank: servers from ``config.addresses`` or launched by rank 0.
 

@@ -118,6 +118,7 @@ class WorkflowExecutor:
 
     async def _loop(self) -> None:
         tasks: set[asyncio.Task] = set()
+        workflows: dict[int, "RolloutWorkflow"] = {}  # run on this loop: closed with it
         try:
             while not self._exiting.is_set():
                 while (
@@ -126,6 +127,7 @@ class WorkflowExecutor:
                     and self.staleness.capacity(self.engine.get_version()) > 0
                 ):
                     seq, data, workflow = self._input.get_nowait()
+                    workflows[id(workflow)] = workflow
                     self.staleness.on_start()
                     task = asyncio.create_task(self._run_episode(seq, data, workflow))
                     tasks.add(task)
@@ -135,6 +137,11 @@ class WorkflowExecutor:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for workflow in workflows.values():  # e.g. a reward source's HTTP sessions
+                try:
+                    await workflow.aclose()
+                except Exception:  # noqa: BLE001 - closing must not hide the loop's own outcome
+                    logger.exception("closing a workflow's event-loop resources failed")
             aclose = getattr(self.engine, "aclose", None)  # e.g. HTTP sessions bound to this loop
             if aclose is not None:
                 await aclose()

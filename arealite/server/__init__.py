@@ -15,7 +15,8 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
   (no text), ``sampling_params`` with ``temperature``, ``top_p``, ``top_k``,
   ``max_new_tokens``, ``stop_token_ids``, ``stop`` (strings; needs a tokenizer in the model
   folder) and ``ignore_eos``; ``return_logprob`` adds ``meta_info.output_token_logprobs`` as
-  ``[[logprob, token_id, null], ...]``.
+  ``[[logprob, token_id, null], ...]``; ``logprob_start_len: k`` adds the prompt's
+  ``meta_info.input_token_logprobs`` from position k (a teacher scoring a student's tokens).
 - ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info`` (scheduler counters).
 - ``POST /pause_generation`` / ``POST /continue_generation`` (abort-on-pause semantics).
 - ``POST /set_num_threads`` (ours, not SGLang's): the model's torch intra-op threads from the
@@ -25,7 +26,7 @@ Implemented subset of SGLang's protocol (JSON in, JSON out):
   ``POST /destroy_weights_update_group``: weights broadcast by the trainer (gloo on CPU, NCCL on
   GPU), see :mod:`arealite.weights.sync`; request bodies in :mod:`arealite.api.weight_update`.
 
-Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA, input logprobs,
+Not implemented: text prompts, streaming, ``n > 1``, penalties, min_p, LoRA,
 tensor parallelism, sliding-window attention (refused at start-up), sharing KV blocks in
 place between rows (prefixes are copied; SGLang's radix cache and vLLM's paged blocks share).
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from arealite.api.weight_update import (DEFAULT_GROUP_NAME, DiskUpdate, InitGroup, ProtocolError, UpdateBucket,
                                         parse_destroy_group, reply)
 from arealite.server.messages import Abort, Generate, LoadFromDisk, LoadTensors, Pause, SetThreads
-from arealite.server.protocol import error_body, is_int, parse_generate_request
+from arealite.server.protocol import error_body, is_int, parse_generate_request, parse_logprob_start_len
 from arealite.server.scheduler import Scheduler
 from arealite.server.weights import WeightGroups
 
@@ -77,6 +77,12 @@ class Server:
         "finish_reason", "prompt_tokens", "completion_tokens", "weight_version",
         "output_token_logprobs": [[logprob (nats), token_id, null], ...]}}``.
 
+        With ``"logprob_start_len": k`` (SGLang's field, k ≥ 0, and ``return_logprob``) the reply
+        also has ``meta_info.input_token_logprobs``: ``[logprob, token_id, null]`` for prompt
+        positions k, k+1, …, P−1 — log π(input_ids[t] | input_ids[:t]) under the request's
+        temperature (1 when 0), ``null`` at position 0 — from one plain forward of the prompt (a
+        frozen teacher scoring a student's tokens: ``max_new_tokens: 0``).
+
         ``finish_reason`` is ``{"type": "stop", "matched": id}`` (matched id included in the
         output), ``{"type": "length", "length": max_new_tokens}`` or ``{"type": "abort",
         "message": ...}`` after ``/pause_generation``.  Requests arriving while paused are held
@@ -88,11 +94,12 @@ class Server:
         try:
             ids, params, return_logprob, rid = parse_generate_request(
                 body, self.vocab_size, self.max_positions, self.scheduler.tokenizer is not None)
+            logprob_start = parse_logprob_start_len(body, len(ids))
         except ProtocolError as e:
             return _error(e.message, e.field)
         while not self._resumed.is_set():
             await self._resumed.wait()
-        future = self.scheduler.submit(Generate(rid, ids, params, return_logprob))
+        future = self.scheduler.submit(Generate(rid, ids, params, return_logprob, logprob_start))
         try:
             result = await future
         except asyncio.CancelledError:  # the client went away (handler_cancellation): free the row

@@ -21,6 +21,7 @@ class Generate:
     input_ids: list
     params: SamplingParams
     return_logprob: bool
+    logprob_start_len: int = -1  # >= 0 (with return_logprob): also the prompt's logprobs from here
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Request:
     return_logprob: bool
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    logprob_start_len: int = -1
     output_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finished: bool = False

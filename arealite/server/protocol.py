@@ -55,6 +55,22 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def parse_logprob_start_len(body: dict, n_input: int) -> int:
+    """SGLang's ``logprob_start_len`` of a ``/generate`` body: -1 (absent: no prompt logprobs) or
+    the first prompt position whose logprob comes back in ``meta_info.input_token_logprobs``
+    (needs ``return_logprob: true``). Raises ``RequestError`` for a non-integer or a position
+    outside [-1, len(input_ids))."""
+    start = body.get("logprob_start_len", -1)
+    if start is None:
+        start = -1
+    if not is_int(start) or not -1 <= start < n_input:
+        raise RequestError("logprob_start_len", f"logprob_start_len must be an integer in [-1, {n_input}) "
+                           "(-1: no prompt logprobs)")
+    if start >= 0 and body.get("return_logprob") is not True:
+        raise RequestError("logprob_start_len", "logprob_start_len needs return_logprob: true")
+    return start
+
+
 def parse_generate_request(body, vocab_size: int, max_positions: int | None,
                            has_tokenizer: bool = True):
     """Validate a ``/generate`` body; return ``(input_ids, SamplingParams, return_logprob, rid)``.

@@ -192,7 +192,7 @@ class Scheduler:
         match msg:
             case Generate():
                 req = Request(msg.rid, msg.input_ids, msg.params, msg.return_logprob,
-                              future=env.future, loop=env.loop)
+                              future=env.future, loop=env.loop, logprob_start_len=msg.logprob_start_len)
                 if req.params.max_new_tokens == 0:
                     self._finish(req, {"type": "length", "length": 0})
                 else:
@@ -476,6 +476,18 @@ class Scheduler:
                 return stop
         return None
 
+    def _prompt_logprobs(self, req: Request) -> list:
+        """``[[logprob, token, None], ...]`` of every prompt position (logprob None at 0) from one
+        plain forward of the prompt (no KV cache: outside a server step the attention is sdpa),
+        under the request's temperature (1 when it is 0, i.e. greedy)."""
+        ids = torch.tensor([req.input_ids], device=self.device)
+        temperature = req.params.temperature if req.params.temperature > 0 else 1.0
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [P-1, V]
+            lp = torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        self.stats["prefill_tokens"] += len(req.input_ids)
+        return [[None, req.input_ids[0], None]] + [[v, t, None] for v, t in zip(lp.tolist(), req.input_ids[1:])]
+
     def _finish(self, req: Request, reason: dict):
         req.finished = True
         meta = {
@@ -488,6 +500,8 @@ class Scheduler:
         if req.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)]
+            if req.logprob_start_len >= 0:
+                meta["input_token_logprobs"] = self._prompt_logprobs(req)[req.logprob_start_len:]
         reply = {"output_ids": list(req.output_ids), "meta_info": meta}
         if self.tokenizer is not None:
             # Like SGLang: the text ends before a matched stop string, while output_ids and the

@@ -513,3 +513,67 @@ class FSDPCriticEngine(FSDPEngine):
         """Token-aligned values [B, T] float32 (CPU), no grad: ``values[:, t] = V(input_ids[:, :t])``;
         0 at index 0 and on padding."""
         return super().forward(batch)
+
+
+class FSDPRewardEngine(FSDPEngine):
+    """A reward model (a scalar head at the last token of a sequence) on the backbone of a causal
+    LM folder, or a folder this engine saved, sharing :class:`FSDPEngine`'s sharding,
+    micro-batching, packing, loss scaling and optimizer.
+
+    The folder is loaded as ``AutoModelForSequenceClassification(num_labels=1)`` (for a causal-LM
+    folder the new ``score`` head [1, H] is zero-initialised, so every rank starts from the same
+    weights and every initial reward is 0; a saved reward model keeps its head).
+    ``config.pad_token_id`` is set from the tokenizer, so transformers' own batched forward of
+    the saved folder finds the last real token. Outputs are token-aligned like the actor's:
+    ``out[:, t] = score(h_{t-1})``; only ``loss_mask = 1`` positions get an output. A sequence's
+    reward is the output at the extra token after it (:func:`arealite.algorithms.reward_model.reward_batch`).
+
+    ``save(path)`` writes an HF folder that ``AutoModelForSequenceClassification.from_pretrained``
+    loads (and ``python -m arealite.server.reward_model`` serves).
+    """
+
+    _lora_modules_to_save = ("score",)
+
+    def __init__(self, config: TrainEngineConfig, trainable: bool = True):
+        super().__init__(config, temperature=1.0, trainable=trainable)
+
+    def _load_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+        """``AutoModelForSequenceClassification`` with one label (zero head for a new one).
+
+        Raises:
+            ValueError: transformers has no sequence-classification class for the architecture,
+                or it has no 1-output ``score`` head.
+        """
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers.utils import logging as hf_logging
+
+        from arealite.utils.hf import load_tokenizer
+
+        hf_config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        fresh = not any(a.endswith("ForSequenceClassification") for a in (hf_config.architectures or []))
+        hf_config.pad_token_id = load_tokenizer(model_path).pad_token_id
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the load report would list the new score head as MISSING
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                model_path, config=hf_config, dtype=dtype, attn_implementation=self._attn_implementation())
+        except ValueError as e:
+            raise ValueError(
+                f"reward model: transformers has no AutoModelForSequenceClassification for model_type "
+                f"{hf_config.model_type!r} ({model_path}); use a Llama/Qwen2-family model") from e
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        score = getattr(model, "score", None)
+        if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
+            raise ValueError(f"reward model: {type(model).__name__} has no 1-output `score` head; "
+                             "use a Llama/Qwen2-family model")
+        if fresh:
+            with torch.no_grad():
+                score.weight.zero_()
+                if score.bias is not None:
+                    score.bias.zero_()
+        return model
+
+    def _head(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Rewards [n] float32 = score(hidden) (labels unused)."""
+        return self.model.score(hidden).sum(-1, dtype=torch.float32), None

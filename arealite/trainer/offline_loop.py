@@ -54,7 +54,8 @@ def prepare_offline(config, rank: int) -> tuple[str, Any, "str | None"]:
 
 def run_offline(config, model_path: str, recover_path: str | None, train_rows: list, collate: Callable,
                 build_algorithm: Callable[[FSDPEngine], Any], evaluate: Evaluate,
-                eval_freq_steps: int = 0, eval_at_start: bool = True, eval_at_end: bool = True) -> dict[str, float]:
+                eval_freq_steps: int = 0, eval_at_start: bool = True, eval_at_end: bool = True,
+                engine_cls: type = FSDPEngine) -> dict[str, float]:
     """Train ``config.total_train_steps`` steps on ``train_rows``; see the module docstring.
 
     Args:
@@ -81,7 +82,7 @@ def run_offline(config, model_path: str, recover_path: str | None, train_rows: l
                          f"{config.train_dataset.batch_size}; lower train_dataset.batch_size")
     loader = EpochLoader(dataloader)
 
-    actor = FSDPEngine(config.actor)  # temperature 1: the model's own likelihood
+    actor = engine_cls(config.actor)  # FSDPEngine: temperature 1, the model's own likelihood
     actor.initialize(model_path, config.total_train_steps)
     algo = build_algorithm(actor)
     stats_logger = StatsLogger(out, rank, config.total_train_steps, config.logger.wandb, to_dict(config))

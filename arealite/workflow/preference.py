@@ -46,6 +46,8 @@ class PreferenceWorkflow(RLVRWorkflow):
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         traj = await super().arun_episode(engine, data)
+        if traj is None:  # a sample without a score (a learned reward failed)
+            return None
         pair = pick_pair(traj["rewards"])
         if pair is None:
             return None

@@ -1,7 +1,8 @@
-"""RLVR: single-turn generation with a verifiable reward (math answer checking).
+"""RLVR and RL against learned rewards: single-turn generation scored by any reward source.
 
-One episode = one prompt → chat template → ``gconfig.n_samples`` concurrent completions →
-rewards computed in a worker process with a timeout → a GRPO group of trajectories.
+One episode = one prompt → chat template → ``gconfig.n_samples`` concurrent completions, each
+scored as it finishes (a verifier in a worker process with a timeout, a reward-model server, an
+LLM judge, or a weighted combination: :mod:`arealite.reward.sources`) → a GRPO group of trajectories.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from arealite.api.config import GenerationConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse
 from arealite.api.workflow import RolloutWorkflow
-from arealite.reward.worker import RewardWorker
+from arealite.reward.sources import FunctionReward, RewardFailure, RewardSource, Sample
 from arealite.utils.data import pad_and_stack
 from arealite.utils.hf import tokenize_chat
-from arealite.workflow.reward_owner import OwnsRewardWorker
 
 
 def build_trajectories(resps: list[ModelResponse], rewards: list[float]) -> dict[str, torch.Tensor]:
@@ -58,52 +58,107 @@ def build_trajectories(resps: list[ModelResponse], rewards: list[float]) -> dict
     }
 
 
-class RLVRWorkflow(OwnsRewardWorker, RolloutWorkflow):
-    """Single-turn RL with a verifiable reward.
+class RLVRWorkflow(RolloutWorkflow):
+    """Single-turn RL against a reward: a verifier, a reward model, an LLM judge or a combination.
 
     Args:
-        reward_fn: picklable ``fn(completion_text: str, answer: str) -> float`` (module-level),
-            run in a worker process; a crash or a timeout gives reward 0 and a warning.
+        reward_fn: a picklable module-level ``fn(completion_text: str, answer: str) -> float``
+            (run in a worker process: a crash or a timeout gives reward 0 and a warning), or any
+            :class:`~arealite.reward.sources.RewardSource` (:class:`RemoteRewardModel`,
+            :class:`LLMJudge`, :class:`CombinedReward`, ...).
         gconfig: sampling parameters; ``n_samples`` completions per prompt.
         tokenizer: HF tokenizer with a chat template.
-        reward_timeout: seconds per reward call.
+        reward_timeout: seconds per call of a function reward.
         dump_dir: if set, every episode is appended to ``dump_dir/rollouts.jsonl`` (prompt,
-            completions, rewards, per-token versions, timestamps).
+            completions, rewards and their components, per-token versions, timestamps).
+        eval_fn: ``fn(completion, answer) -> float`` of the held-out accuracy (:meth:`aevaluate`);
+            default ``reward_fn`` when it is a function. A learned reward is never the yardstick:
+            with one, pass the verifier here.
+        max_consecutive_failures: after this many groups in a row dropped for a failed score, the
+            episode raises RuntimeError (the executor then stops the run after repeated failures)
+            instead of sampling forever against a reward source that is down or never parses.
 
-    Dataset rows must have ``messages`` (chat list) and ``answer``.
+    Each sample is scored as soon as its generation finishes. If a source cannot score a sample
+    (:class:`~arealite.reward.sources.RewardFailure`, counted by the source), the episode is
+    rejected — the group never trains on a guessed reward. With a :class:`CombinedReward`, each
+    component's per-sample value is also returned as ``reward_<name>`` [N] (logged per step as
+    ``rollout/reward_<name>``). Dataset rows must have ``messages`` (and ``answer`` for
+    verifiers and reference-based judges).
     """
 
-    def __init__(self, reward_fn: Callable[[str, str], float], gconfig: GenerationConfig, tokenizer,
-                 reward_timeout: float = 10.0, dump_dir: str | None = None):
-        self.reward_fn, self.gconfig, self.tokenizer = reward_fn, gconfig, tokenizer
-        self.reward_worker = RewardWorker(timeout=reward_timeout)
+    def __init__(self, reward_fn: "Callable[[str, str], float] | RewardSource", gconfig: GenerationConfig,
+                 tokenizer, reward_timeout: float = 10.0, dump_dir: str | None = None,
+                 eval_fn: Callable[[str, str], float] | None = None, max_consecutive_failures: int = 32):
+        self.gconfig, self.tokenizer = gconfig, tokenizer
+        self.max_failures, self.failed_in_a_row = max_consecutive_failures, 0
+        self.reward = reward_fn if isinstance(reward_fn, RewardSource) else FunctionReward(reward_fn, reward_timeout)
+        self.eval_fn = eval_fn if eval_fn is not None else (None if isinstance(reward_fn, RewardSource) else reward_fn)
+        parts = self.reward.components()
+        if len(parts) > 1:  # else the class's own (e.g. PreferenceWorkflow's chosen_reward)
+            self.stat_keys = tuple(f"reward_{n}" for n in parts)
         self.dump_path = os.path.join(dump_dir, "rollouts.jsonl") if dump_dir else None
         self._dump_lock = threading.Lock()
         if dump_dir:
             os.makedirs(dump_dir, exist_ok=True)
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
-        for key in ("messages", "answer"):
-            if key not in data:
-                raise KeyError(f"dataset row has no {key!r} field; rows need 'messages' and 'answer'")
+    def start(self) -> None:
+        self.reward.start()
+
+    def reward_counters(self) -> dict[str, float]:
+        return {f"reward/{k}": v for k, v in self.reward.counters().items()}
+
+    def close(self) -> None:
+        self.reward.close()
+
+    async def aclose(self) -> None:
+        await self.reward.aclose()
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        if "messages" not in data:
+            raise KeyError("dataset row has no 'messages' field; rows need 'messages' (and 'answer' for a verifier)")
+        if isinstance(self.reward, FunctionReward) and "answer" not in data:
+            raise KeyError("dataset row has no 'answer' field; rows need 'messages' and 'answer'")
         start = time.time()
         prompt_ids = tokenize_chat(self.tokenizer, data["messages"])
         gconfig = replace(self.gconfig, n_samples=1)
         rid = uuid.uuid4().hex  # one rid per prompt: all samples go to the same server
-        resps = await asyncio.gather(*[
-            engine.agenerate(ModelRequest(input_ids=prompt_ids, gconfig=gconfig, rid=rid))
-            for _ in range(self.gconfig.n_samples)
-        ])
-        texts = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in resps]
-        rewards = await asyncio.gather(*[self.reward_worker.acompute(self.reward_fn, t, data["answer"]) for t in texts])
+
+        async def one():  # generate, then score at once: scoring overlaps the other samples' decoding
+            resp = await engine.agenerate(ModelRequest(input_ids=prompt_ids, gconfig=gconfig, rid=rid))
+            text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            sample = Sample(data["messages"], text, prompt_ids, resp.output_tokens, data, resp.stop_reason != "length")
+            try:
+                return resp, text, await self.reward.ascore_parts(sample)
+            except RewardFailure:
+                return resp, text, None
+
+        results = await asyncio.gather(*[one() for _ in range(self.gconfig.n_samples)])
+        if any(parts is None for _, _, parts in results):
+            self.failed_in_a_row += 1  # a sample has no score: drop the whole group (counted by the source)
+            if self.failed_in_a_row > self.max_failures:
+                failed = {k: v for k, v in self.reward.counters().items() if "/failed_" in k and v}
+                raise RuntimeError(f"{self.failed_in_a_row} groups in a row had a sample the reward could not "
+                                   f"score ({failed}); check the reward servers' logs (reward.* settings)")
+            return None
+        self.failed_in_a_row = 0
+        resps = [r for r, _, _ in results]
+        rewards = [p[0] for _, _, p in results]
         if self.dump_path:
-            self._dump(data, texts, rewards, resps, start)
-        return build_trajectories(resps, list(rewards))
+            self._dump(data, [t for _, t, _ in results], rewards, resps, start, [p[1] for _, _, p in results])
+        traj = build_trajectories(resps, rewards)
+        for key in self.stat_keys:
+            traj[key] = torch.tensor([p[1][key[len("reward_"):]] for _, _, p in results], dtype=torch.float32)
+        return traj
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
         """Greedy held-out accuracy through ``engine`` (one completion per row, from a fresh event
         loop, e.g. inside a recipe). Returns ``{"accuracy": fraction of rows whose completion
-        gets reward > 0.5}`` (reward computed in-process with ``reward_fn``)."""
+        gets ``eval_fn`` > 0.5}`` (computed in-process).
+
+        Raises: ValueError: no ``eval_fn`` (a learned reward and no verifier given)."""
+        if self.eval_fn is None:
+            raise ValueError("RLVRWorkflow: a learned reward needs eval_fn= (the verifier of the held-out "
+                             "accuracy), or turn the evaluations off (--evaluator.at_start false ...)")
         greedy = replace(self.gconfig, greedy=True, n_samples=1)
         try:
             resps = await asyncio.gather(*[
@@ -113,13 +168,13 @@ class RLVRWorkflow(OwnsRewardWorker, RolloutWorkflow):
         finally:
             await engine.aclose()  # e.g. an HTTP session bound to this event loop
         texts = [self.tokenizer.decode(x.output_tokens, skip_special_tokens=True) for x in resps]
-        scores = [self.reward_fn(t, r["answer"]) for t, r in zip(texts, rows)]
+        scores = [self.eval_fn(t, r["answer"]) for t, r in zip(texts, rows)]
         return {"accuracy": sum(s > 0.5 for s in scores) / max(1, len(rows))}
 
-    def _dump(self, data, texts, rewards, resps, start) -> None:
+    def _dump(self, data, texts, rewards, resps, start, parts=None) -> None:
         record = {
             "prompt": data["messages"][-1]["content"],
-            "answer": data["answer"],
+            "answer": data.get("answer"),
             "completions": texts,
             "rewards": rewards,
             "versions": [sorted(set(r.output_versions)) for r in resps],
@@ -127,5 +182,7 @@ class RLVRWorkflow(OwnsRewardWorker, RolloutWorkflow):
             "start_time": start,
             "end_time": time.time(),
         }
+        if parts is not None and len(parts[0]) > 1:
+            record["reward_parts"] = parts
         with self._dump_lock, open(self.dump_path, "a") as f:
             f.write(json.dumps(record) + "\n")
