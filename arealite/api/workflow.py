@@ -57,7 +57,7 @@ class RolloutWorkflow(abc.ABC):
                 run sets ``evaluator.at_start/at_end false`` and ``evaluator.freq_steps 0``).
         """
         raise NotImplementedError(f"{type(self).__name__}.aevaluate is not implemented: implement it, or pass "
-                                  "--evaluator.at_start false --evaluator.at_end false --evaluator.freq_steps 0")
+                                  "--evaluator.at_start False --evaluator.at_end False --evaluator.freq_steps 0")
 
     def counters(self) -> dict[str, float]:
         """Cumulative counts since the workflow was built (``{}`` by default); the same keys on

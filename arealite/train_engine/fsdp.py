@@ -523,8 +523,8 @@ class FSDPRewardEngine(FSDPEngine):
     The folder is loaded as ``AutoModelForSequenceClassification(num_labels=1)`` (for a causal-LM
     folder the new ``score`` head [1, H] is zero-initialised, so every rank starts from the same
     weights and every initial reward is 0; a saved reward model keeps its head).
-    ``config.pad_token_id`` is set from the tokenizer, so transformers' own batched forward of
-    the saved folder finds the last real token. Outputs are token-aligned like the actor's:
+    ``config.pad_token_id`` is :func:`arealite.utils.hf.reward_pad_id` (not EOS), so transformers'
+    own forward of the saved folder reads the same last token (a final EOS included). Outputs are token-aligned like the actor's:
     ``out[:, t] = score(h_{t-1})``; only ``loss_mask = 1`` positions get an output. A sequence's
     reward is the output at the extra token after it (:func:`arealite.algorithms.reward_model.reward_batch`).
 
@@ -547,11 +547,11 @@ class FSDPRewardEngine(FSDPEngine):
         from transformers import AutoConfig, AutoModelForSequenceClassification
         from transformers.utils import logging as hf_logging
 
-        from arealite.utils.hf import load_tokenizer
+        from arealite.utils.hf import load_tokenizer, reward_pad_id
 
         hf_config = AutoConfig.from_pretrained(model_path, num_labels=1)
         fresh = not any(a.endswith("ForSequenceClassification") for a in (hf_config.architectures or []))
-        hf_config.pad_token_id = load_tokenizer(model_path).pad_token_id
+        hf_config.pad_token_id = reward_pad_id(load_tokenizer(model_path))
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the load report would list the new score head as MISSING
         try:

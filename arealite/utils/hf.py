@@ -93,6 +93,24 @@ def load_tokenizer(path: str):
     return tok
 
 
+def reward_pad_id(tokenizer) -> int:
+    """The ``pad_token_id`` a reward model's config gets: the tokenizer's pad id unless it is the
+    EOS id, then another special token (unk, or the first special id that is neither EOS nor BOS).
+
+    transformers' ``*ForSequenceClassification`` reads the score at the last token that is not
+    ``pad_token_id``; with pad = EOS (SmolLM2, Qwen) it would skip a sequence's final EOS while
+    SGLang, vLLM and :func:`arealite.algorithms.reward_model.reward_batch` read the last token.
+    Another pad id makes all of them read the same position. Returns the EOS id only when the
+    tokenizer has no other special token."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if pad is not None and pad != eos:
+        return pad
+    for cand in [tokenizer.unk_token_id, *tokenizer.all_special_ids]:
+        if cand is not None and cand not in (eos, tokenizer.bos_token_id):
+            return cand
+    return eos if pad is None else pad
+
+
 def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Prompt token ids of ``messages`` under the tokenizer's chat template, ending with the
     assistant generation prompt. Works with transformers 4.x (list) and 5.x (dict) returns."""

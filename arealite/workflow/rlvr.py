@@ -158,7 +158,7 @@ class RLVRWorkflow(RolloutWorkflow):
         Raises: ValueError: no ``eval_fn`` (a learned reward and no verifier given)."""
         if self.eval_fn is None:
             raise ValueError("RLVRWorkflow: a learned reward needs eval_fn= (the verifier of the held-out "
-                             "accuracy), or turn the evaluations off (--evaluator.at_start false ...)")
+                             "accuracy), or turn the evaluations off (--evaluator.at_start False ...)")
         greedy = replace(self.gconfig, greedy=True, n_samples=1)
         try:
             resps = await asyncio.gather(*[
