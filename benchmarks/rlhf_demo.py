@@ -36,7 +36,6 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

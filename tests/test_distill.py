@@ -93,7 +93,7 @@ def test_server_prompt_logprobs_equal_a_plain_forward_and_bad_fields_are_400(two
 
 def test_distill_episode_signal_equals_hand_computation_from_two_known_models(two_models, tmp_path):
     from arealite.algorithms.distill import OnPolicyDistillation
-    from arealite.api.config import GenerationConfig, GRPOAlgoConfig
+    from arealite.api.config import GenerationConfig
     from arealite.reward.math import math_reward
     from arealite.utils.hf import load_tokenizer, tokenize_chat
     from arealite.workflow.distill import DistillWorkflow

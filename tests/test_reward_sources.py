@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import REPO_ROOT
 from arealite.api.config import GenerationConfig

@@ -17,6 +17,7 @@ import random
 
 import torch
 
+from arealite.algorithms.reward_model import reward_batch
 from arealite.dataset.math_data import _read_jsonl, load_dataset
 from arealite.dataset.sft_data import SFTCollator, check_messages, pad_batch, select, text_field, tokenize_example
 
@@ -103,8 +104,6 @@ class RewardPairCollator(SFTCollator):
     """
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        from arealite.algorithms.reward_model import reward_batch
-
         seqs = [tokenize_example(self.tokenizer, r["messages"], r[key], self.max_length)[0]
                 for r in rows for key in ("chosen", "rejected")]
         return reward_batch(seqs, self.pad_id)

@@ -451,6 +451,44 @@ class FSDPEngine(TrainEngine):
             dist.destroy_process_group()
 
 
+def load_scalar_head_model(auto_cls, model_path: str, dtype: torch.dtype, attn_implementation: str, role: str,
+                           zero_head: bool, **config_fields) -> torch.nn.Module:
+    """``auto_cls`` (``AutoModelForTokenClassification`` / ``...ForSequenceClassification``) with
+    one label from ``model_path``, its config updated with ``config_fields``; with ``zero_head``
+    the ``score`` head (new for a causal-LM folder) is set to 0 (every rank starts from the same
+    weights; every initial output is 0).
+
+    Raises:
+        ValueError: transformers has no such class for the architecture, or it has no 1-output
+            ``score`` head (names ``role``).
+    """
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_config = AutoConfig.from_pretrained(model_path, num_labels=1)
+    for key, value in config_fields.items():
+        setattr(hf_config, key, value)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the load report would list the new score head as MISSING
+    try:
+        model = auto_cls.from_pretrained(model_path, config=hf_config, dtype=dtype, attn_implementation=attn_implementation)
+    except ValueError as e:
+        raise ValueError(f"{role}: transformers has no {auto_cls.__name__} for model_type {hf_config.model_type!r} "
+                         f"({model_path}); use a Llama/Qwen2-family model for the {role}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    score = getattr(model, "score", None)
+    if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
+        raise ValueError(f"{role}: {type(model).__name__} has no 1-output `score` head; "
+                         f"use a Llama/Qwen2-family model for the {role}")
+    if zero_head:
+        with torch.no_grad():
+            score.weight.zero_()
+            if score.bias is not None:
+                score.bias.zero_()
+    return model
+
+
 class FSDPCriticEngine(FSDPEngine):
     """A value model (PPO critic) on the backbone of a causal LM folder, sharing
     :class:`FSDPEngine`'s sharding, micro-batching, packing, loss scaling and optimizer.
@@ -478,31 +516,10 @@ class FSDPCriticEngine(FSDPEngine):
         Raises:
             ValueError: transformers has no token-classification class for the architecture.
         """
-        from transformers import AutoConfig, AutoModelForTokenClassification
-        from transformers.utils import logging as hf_logging
+        from transformers import AutoModelForTokenClassification
 
-        hf_config = AutoConfig.from_pretrained(model_path, num_labels=1)
-        hf_config.classifier_dropout = 0.0  # saved with the critic: no dropout in train mode either
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # the load report would list the new score head as MISSING
-        try:
-            model = AutoModelForTokenClassification.from_pretrained(
-                model_path, config=hf_config, dtype=dtype, attn_implementation=self._attn_implementation())
-        except ValueError as e:
-            raise ValueError(
-                f"critic: transformers has no AutoModelForTokenClassification for model_type "
-                f"{hf_config.model_type!r} ({model_path}); use a Llama/Qwen2-family model for the critic") from e
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        score = getattr(model, "score", None)
-        if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
-            raise ValueError(f"critic: {type(model).__name__} has no 1-output `score` head; "
-                             "use a Llama/Qwen2-family model for the critic")
-        with torch.no_grad():
-            score.weight.zero_()
-            if score.bias is not None:
-                score.bias.zero_()
-        return model
+        return load_scalar_head_model(AutoModelForTokenClassification, model_path, dtype, self._attn_implementation(),
+                                      "critic", zero_head=True, classifier_dropout=0.0)
 
     def _head(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Values [n] float32 = score(hidden) (labels unused)."""
@@ -545,34 +562,14 @@ class FSDPRewardEngine(FSDPEngine):
                 or it has no 1-output ``score`` head.
         """
         from transformers import AutoConfig, AutoModelForSequenceClassification
-        from transformers.utils import logging as hf_logging
 
         from arealite.utils.hf import load_tokenizer, reward_pad_id
 
-        hf_config = AutoConfig.from_pretrained(model_path, num_labels=1)
-        fresh = not any(a.endswith("ForSequenceClassification") for a in (hf_config.architectures or []))
-        hf_config.pad_token_id = reward_pad_id(load_tokenizer(model_path))
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # the load report would list the new score head as MISSING
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                model_path, config=hf_config, dtype=dtype, attn_implementation=self._attn_implementation())
-        except ValueError as e:
-            raise ValueError(
-                f"reward model: transformers has no AutoModelForSequenceClassification for model_type "
-                f"{hf_config.model_type!r} ({model_path}); use a Llama/Qwen2-family model") from e
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        score = getattr(model, "score", None)
-        if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
-            raise ValueError(f"reward model: {type(model).__name__} has no 1-output `score` head; "
-                             "use a Llama/Qwen2-family model")
-        if fresh:
-            with torch.no_grad():
-                score.weight.zero_()
-                if score.bias is not None:
-                    score.bias.zero_()
-        return model
+        saved = AutoConfig.from_pretrained(model_path).architectures or []
+        fresh = not any(a.endswith("ForSequenceClassification") for a in saved)
+        return load_scalar_head_model(AutoModelForSequenceClassification, model_path, dtype, self._attn_implementation(),
+                                      "reward model", zero_head=fresh,
+                                      pad_token_id=reward_pad_id(load_tokenizer(model_path)))
 
     def _head(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Rewards [n] float32 = score(hidden) (labels unused)."""

@@ -15,6 +15,7 @@ counted as ``reward/teacher/failed``; ``max_consecutive_failures`` groups in a r
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -30,7 +31,9 @@ from arealite.api.workflow import RolloutWorkflow
 from arealite.reward.sources import FunctionReward, Sample
 from arealite.utils.data import pad_and_stack
 from arealite.utils.hf import tokenize_chat
-from arealite.workflow.rlvr import build_trajectories
+from arealite.workflow.rlvr import build_trajectories, greedy_accuracy
+
+logger = logging.getLogger("arealite.distill")
 
 
 def check_same_tokenizer(student_tokenizer, teacher_tokenizer, teacher_path: str = "teacher.path") -> None:
@@ -98,9 +101,7 @@ class DistillWorkflow(RolloutWorkflow):
                                                       temperature=self.gconfig.temperature or 1.0, rid=rid)
         except (RuntimeError, OSError, asyncio.TimeoutError, ValueError) as e:
             self._count(calls=1, failed=1, seconds=time.perf_counter() - start)
-            import logging
-
-            logging.getLogger("arealite.distill").warning("teacher scoring failed: %r", e)
+            logger.warning("teacher scoring failed: %r", e)
             return None
         self._count(calls=1, ok=1, seconds=time.perf_counter() - start, tokens=len(output))
         return lps
@@ -138,16 +139,7 @@ class DistillWorkflow(RolloutWorkflow):
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
         """Greedy held-out accuracy by ``reward_fn`` (as :meth:`RLVRWorkflow.aevaluate`)."""
-        greedy = replace(self.gconfig, greedy=True, n_samples=1)
-        try:
-            resps = await asyncio.gather(*[
-                engine.agenerate(ModelRequest(input_ids=tokenize_chat(self.tokenizer, r["messages"]), gconfig=greedy))
-                for r in rows])
-        finally:
-            await engine.aclose()
-        texts = [self.tokenizer.decode(x.output_tokens, skip_special_tokens=True) for x in resps]
-        scores = [self.reward_fn(t, r["answer"]) for t, r in zip(texts, rows)]
-        return {"accuracy": sum(s > 0.5 for s in scores) / max(1, len(rows))}
+        return await greedy_accuracy(engine, rows, self.tokenizer, self.gconfig, self.reward_fn)
 
 
 async def _empty() -> list[float]:

@@ -58,6 +58,24 @@ def build_trajectories(resps: list[ModelResponse], rewards: list[float]) -> dict
     }
 
 
+async def greedy_accuracy(engine: InferenceEngine, rows: list[dict[str, Any]], tokenizer, gconfig: GenerationConfig,
+                          score_fn: Callable[[str, str], float]) -> dict[str, float]:
+    """``{"accuracy": fraction of rows whose greedy completion gets score_fn(text, answer) > 0.5}``
+    through ``engine`` (one completion per row, ``gconfig`` with greedy decoding); closes the
+    engine's resources of the running event loop at the end (a fresh loop, e.g. an evaluation)."""
+    greedy = replace(gconfig, greedy=True, n_samples=1)
+    try:
+        resps = await asyncio.gather(*[
+            engine.agenerate(ModelRequest(input_ids=tokenize_chat(tokenizer, r["messages"]), gconfig=greedy))
+            for r in rows
+        ])
+    finally:
+        await engine.aclose()  # e.g. an HTTP session bound to this event loop
+    texts = [tokenizer.decode(x.output_tokens, skip_special_tokens=True) for x in resps]
+    scores = [score_fn(t, r["answer"]) for t, r in zip(texts, rows)]
+    return {"accuracy": sum(s > 0.5 for s in scores) / max(1, len(rows))}
+
+
 class RLVRWorkflow(RolloutWorkflow):
     """Single-turn RL against a reward: a verifier, a reward model, an LLM judge or a combination.
 
@@ -159,17 +177,7 @@ class RLVRWorkflow(RolloutWorkflow):
         if self.eval_fn is None:
             raise ValueError("RLVRWorkflow: a learned reward needs eval_fn= (the verifier of the held-out "
                              "accuracy), or turn the evaluations off (--evaluator.at_start False ...)")
-        greedy = replace(self.gconfig, greedy=True, n_samples=1)
-        try:
-            resps = await asyncio.gather(*[
-                engine.agenerate(ModelRequest(input_ids=tokenize_chat(self.tokenizer, r["messages"]), gconfig=greedy))
-                for r in rows
-            ])
-        finally:
-            await engine.aclose()  # e.g. an HTTP session bound to this event loop
-        texts = [self.tokenizer.decode(x.output_tokens, skip_special_tokens=True) for x in resps]
-        scores = [self.eval_fn(t, r["answer"]) for t, r in zip(texts, rows)]
-        return {"accuracy": sum(s > 0.5 for s in scores) / max(1, len(rows))}
+        return await greedy_accuracy(engine, rows, self.tokenizer, self.gconfig, self.eval_fn)
 
     def _dump(self, data, texts, rewards, resps, start, parts=None) -> None:
         record = {
