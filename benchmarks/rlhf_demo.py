@@ -106,9 +106,10 @@ def stats(path: str) -> tuple[list[dict], dict]:
 
 def held_out(steps: list[dict], summary: dict) -> list[tuple[int, float]]:
     """(weight version = trained steps, held-out accuracy) at the start, at the in-loop (background)
-    evaluations and at the end."""
+    evaluations (the offline loop's: after that step) and at the end."""
     out = [(0, summary.get("eval/accuracy_start"))]
     out += [(int(s["eval/version"]), s["eval/accuracy"]) for s in steps if "eval/accuracy" in s and "eval/version" in s]
+    out += [(s["step"] + 1, s["eval/accuracy"]) for s in steps if "eval/accuracy" in s and "eval/version" not in s]
     out.append((len(steps), summary.get("eval/accuracy_end")))
     return sorted(set((k, v) for k, v in out if v is not None))
 
