@@ -218,3 +218,33 @@ def test_every_episode_failing_raises_instead_of_hanging():
         assert "boom" in str(info.value)
     finally:
         ex.destroy()
+
+
+def test_the_loop_closes_each_workflows_event_loop_resources_when_it_ends():
+    """A workflow's ``aclose`` (e.g. a reward source's HTTP sessions) runs once, on the executor's
+    own event loop, when the loop ends; a duck-typed workflow without one is left alone."""
+
+    class Closing(FakeWorkflow):
+        closed_on = []
+
+        async def aclose(self):
+            self.closed_on.append(asyncio.get_running_loop())
+
+    class Bare:  # not a RolloutWorkflow: no aclose
+        async def arun_episode(self, engine, data):
+            return await FakeWorkflow().arun_episode(engine, data)
+
+    ex = make_executor(eta=0, gen_time=0.01)
+    wf = Closing()
+    loops = []
+
+    class Probe(FakeWorkflow):
+        async def arun_episode(self, engine, data):
+            loops.append(asyncio.get_running_loop())
+            return await super().arun_episode(engine, data)
+
+    for i, w in enumerate((wf, wf, Bare(), Probe())):
+        ex.submit({"id": i}, w)
+    assert len(ex.wait(4, timeout=10)["rewards"]) == 4
+    ex.destroy()
+    assert wf.closed_on == [loops[0]]  # once, on the loop that ran its episodes

@@ -138,8 +138,10 @@ class WorkflowExecutor:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for workflow in workflows.values():  # e.g. a reward source's HTTP sessions
+                close = getattr(workflow, "aclose", None)  # a duck-typed workflow may have none
                 try:
-                    await workflow.aclose()
+                    if close is not None:
+                        await close()
                 except Exception:  # noqa: BLE001 - closing must not hide the loop's own outcome
                     logger.exception("closing a workflow's event-loop resources failed")
             aclose = getattr(self.engine, "aclose", None)  # e.g. HTTP sessions bound to this loop
