@@ -223,3 +223,73 @@ def test_judge_rewarded_grpo_three_steps_two_ranks_with_our_server_as_judge(tiny
         assert "rollout/reward_verifier" in s and s["reward/judge/failed_unparseable"] == 0
         assert s["reward/judge/ok"] >= 8 and s["reward/judge/completion_tokens"] > 0
     assert os.path.exists(tmp_path / "grpo_rlhf" / "trial0" / "logs" / "judge" / "server0.log")
+
+
+def test_openai_compatible_judge_against_a_scripted_chat_server():
+    """OpenAIJudge: the rubric prompt as one user message, the key as a Bearer header, the score
+    from choices[0].message.content, the cost from usage; a 500 is retried, a 400 is not, and a
+    reply of the wrong shape or without a score is counted."""
+    import threading
+
+    from aiohttp import web
+
+    from arealite.reward.sources import OpenAIJudge
+    from arealite.utils.proc import free_port
+
+    seen, replies = [], [(200, "Looks right. Score: 8"), (500, ""), (200, "Score: 3"), (400, "bad"),
+                         (200, {"oops": 1}), (200, "no verdict")]
+
+    async def chat(request):
+        seen.append((request.headers.get("Authorization"), await request.json()))
+        status, content = replies.pop(0)
+        if status != 200:
+            return web.json_response({"error": {"message": content}}, status=status)
+        if isinstance(content, dict):
+            return web.json_response(content)
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": content}}],
+                                  "usage": {"prompt_tokens": 50, "completion_tokens": 6}})
+
+    port = free_port()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        judge = OpenAIJudge(f"http://127.0.0.1:{port}/v1", "judge-model", api_key="sk-test", max_tokens=16, retries=2)
+
+        async def run():
+            out = []
+            try:
+                for _ in range(4):
+                    try:
+                        out.append(await judge.ascore(sample("The sum is 5.")))
+                    except RewardFailure as e:
+                        out.append(e.reason)
+            finally:
+                await judge.aclose()
+            return out
+
+        assert asyncio.run(run()) == [pytest.approx(0.8), pytest.approx(0.3), "http", "bad_reply"]
+        auth, body = seen[0]
+        assert auth == "Bearer sk-test" and body["model"] == "judge-model" and body["max_tokens"] == 16
+        assert body["temperature"] == 0 and len(body["messages"]) == 1 and "The sum is 5." in body["messages"][0]["content"]
+        assert len(seen) == 5  # the 500 was retried once, the 400 was not
+        c = judge.counters()
+        assert (c["judge/ok"], c["judge/failed_http"], c["judge/failed_bad_reply"]) == (2, 1, 1)
+        assert (c["judge/prompt_tokens"], c["judge/completion_tokens"]) == (100, 12)
+        async def unparseable():
+            try:
+                return await judge.ascore(sample())
+            finally:
+                await judge.aclose()
+
+        with pytest.raises(RewardFailure, match="no score"):
+            asyncio.run(unparseable())
+        assert judge.counters()["judge/failed_unparseable"] == 1
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

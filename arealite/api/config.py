@@ -437,7 +437,10 @@ class RewardModelConfig:
 class JudgeConfig:
     """An LLM judge as a reward source (arealite/reward/sources.py::LLMJudge)."""
 
-    path: str = ""  # judge model folder (a causal LM with a chat template); "" = no judge
+    path: str = ""  # judge model folder (a causal LM with a chat template), served by `engine`; "" = no judge
+    url: str = ""  # or an OpenAI-compatible API base (e.g. http://host:8000/v1): /chat/completions, text in/out
+    model: str = ""  # with url: the request's model name
+    api_key_env: str = "OPENAI_API_KEY"  # with url: the environment variable holding the API key (unset = none)
     # its servers (addresses [] = launch n_servers of `backend`); never sent weights, never restarted
     engine: InferenceEngineConfig = field(default_factory=lambda: InferenceEngineConfig(max_server_restarts=0))
     weight: float = 1.0  # its weight in the combined reward

@@ -12,7 +12,8 @@ loop). Sources:
   ``POST /classify`` (token ids, or text) and OpenRLHF's ``POST /get_reward`` (text); ours is
   :mod:`arealite.server.reward_model`.
 * :class:`LLMJudge` — any :class:`~arealite.api.engine.InferenceEngine` answering a rubric prompt;
-  the score is parsed from its reply (generative reward model, LLM-as-judge).
+  the score is parsed from its reply (generative reward model, LLM-as-judge);
+  :class:`OpenAIJudge` — the same behind an OpenAI-compatible ``/chat/completions`` endpoint.
 * :class:`LengthPenalty` — ``−coef × completion tokens``.
 * :class:`CombinedReward` — Σ_k w_k · source_k, every component reported separately.
 
@@ -388,8 +389,10 @@ class LLMJudge(RewardSource):
                                     reference_block=f"Reference answer: {ref}\n\n" if ref is not None else "",
                                     max_score=self.max_score)
 
-    async def _score(self, sample: Sample) -> float:
-        ids = tokenize_chat(self.tokenizer, [{"role": "user", "content": self.prompt(sample)}])
+    async def _reply(self, prompt: str) -> tuple[str, int, int]:
+        """``(reply text, prompt tokens, completion tokens)`` of the judge for ``prompt``.
+        Raises RewardFailure (``timeout``, ``engine``)."""
+        ids = tokenize_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         async with self._sem.get():
             try:
                 resp = await asyncio.wait_for(self.engine.agenerate(ModelRequest(input_ids=ids, gconfig=self.gconfig)),
@@ -398,8 +401,11 @@ class LLMJudge(RewardSource):
                 raise RewardFailure("timeout", f"judge: no reply within {self.timeout} s") from None
             except (RuntimeError, OSError) as e:
                 raise RewardFailure("engine", f"judge: {e!r}") from None
-        self._counters.add(prompt_tokens=len(ids), completion_tokens=resp.output_len)
-        text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True), len(ids), resp.output_len
+
+    async def _score(self, sample: Sample) -> float:
+        text, n_prompt, n_completion = await self._reply(self.prompt(sample))
+        self._counters.add(prompt_tokens=n_prompt, completion_tokens=n_completion)
         score = parse_judge_score(text, self.max_score)
         if score is None:
             raise RewardFailure("unparseable", f"judge reply has no score in [0, {self.max_score}]: {text[:200]!r}")
@@ -411,6 +417,73 @@ class LLMJudge(RewardSource):
     def close(self) -> None:
         if self.owns_engine:
             self.engine.destroy()
+
+
+class OpenAIJudge(LLMJudge):
+    """An LLM judge behind an OpenAI-compatible chat endpoint (a hosted API, vLLM's or SGLang's
+    OpenAI server, any router): ``POST {url}/chat/completions`` with the rubric prompt as one user
+    message, ``temperature`` 0 and ``max_tokens``; the text is ``choices[0].message.content``, the
+    cost ``usage.prompt_tokens`` / ``completion_tokens``. Same prompt, parsing, counters and
+    failure rules as :class:`LLMJudge`; no tokenizer is needed.
+
+    Args:
+        url: the API base, e.g. ``http://host:8000/v1``. model: the ``model`` field.
+        api_key: sent as ``Authorization: Bearer`` when set. max_tokens: the reply budget.
+        retries: attempts for a connection error, a timeout or a 5xx (a 4xx is not retried).
+    """
+
+    failure_keys = ("timeout", "unparseable", "engine", "connection", "http", "bad_reply")
+
+    def __init__(self, url: str, model: str, api_key: str = "", max_tokens: int = 64, retries: int = 2,
+                 timeout: float = 60.0, max_concurrency: int = 16, name: str = "judge", **kwargs):
+        super().__init__(None, None, timeout=timeout, max_concurrency=max_concurrency, name=name, **kwargs)
+        self.url = (url if "://" in url else f"http://{url}").rstrip("/")
+        self.model, self.api_key, self.max_tokens, self.retries = model, api_key, max_tokens, max(1, retries)
+        self._sessions = _PerLoop(self._new_session)
+
+    def _new_session(self):
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), headers=headers)
+
+    async def _reply(self, prompt: str) -> tuple[str, int, int]:
+        import aiohttp
+
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                "max_tokens": self.max_tokens}
+        reason, detail = "connection", ""
+        async with self._sem.get():
+            for _ in range(self.retries):
+                try:
+                    async with self._sessions.get().post(self.url + "/chat/completions", json=body) as resp:
+                        if resp.status != 200:
+                            reason, detail = "http", f"answered {resp.status}: {(await resp.text())[:300]}"
+                            if resp.status < 500:
+                                break
+                            continue
+                        reply = await resp.json(content_type=None)
+                except asyncio.TimeoutError:
+                    reason, detail = "timeout", f"no reply within {self.timeout} s"
+                    continue
+                except aiohttp.ClientError as e:
+                    reason, detail = "connection", repr(e)
+                    continue
+                try:
+                    text = reply["choices"][0]["message"]["content"] or ""
+                    usage = reply.get("usage") or {}
+                    return str(text), int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+                except (KeyError, IndexError, TypeError, ValueError) as e:
+                    raise RewardFailure("bad_reply", f"{self.url}: unexpected reply {str(reply)[:200]!r} ({e!r})") from None
+        raise RewardFailure(reason, f"{self.url}/chat/completions {detail}")
+
+    async def aclose(self) -> None:
+        session = self._sessions.pop_current()
+        if session is not None:
+            await session.close()
+
+    def close(self) -> None:
+        pass
 
 
 class CombinedReward(RewardSource):
