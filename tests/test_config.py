@@ -144,12 +144,14 @@ def test_every_top_level_config_is_a_run_config_with_the_recipe_defaults(tmp_pat
     tops = {name: cls for name, cls in vars(C).items() if isinstance(cls, type) and dataclasses.is_dataclass(cls)
             and "total_train_steps" in cls.__dataclass_fields__ and cls is not C.RunConfig}
     assert set(tops) == {"GRPOConfig", "GSPOConfig", "PPOConfig", "SFTConfig", "DPOConfig", "MultiTurnGRPOConfig",
-                         "ToolAgentGRPOConfig", "ProxyAgentGRPOConfig", "CodeGRPOConfig"}
+                         "ToolAgentGRPOConfig", "ProxyAgentGRPOConfig", "CodeGRPOConfig", "RMConfig", "RLHFConfig",
+                         "DistillConfig"}
     names = {name: cls().experiment_name for name, cls in tops.items()}
     assert names == {"GRPOConfig": "grpo_math", "GSPOConfig": "gspo_math", "PPOConfig": "ppo_math",
                      "SFTConfig": "sft_math", "DPOConfig": "dpo_math", "MultiTurnGRPOConfig": "multi_turn_math",
                      "ToolAgentGRPOConfig": "tool_agent_math", "ProxyAgentGRPOConfig": "proxy_agent",
-                     "CodeGRPOConfig": "code_grpo"}
+                     "CodeGRPOConfig": "code_grpo", "RMConfig": "rm_math", "RLHFConfig": "grpo_rlhf",
+                     "DistillConfig": "distill_math"}
     for cls in tops.values():
         c = cls()
         assert isinstance(c, C.RunConfig) and c.logger.wandb.project == ""

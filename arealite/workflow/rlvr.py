@@ -112,8 +112,8 @@ class RLVRWorkflow(RolloutWorkflow):
         self.reward = reward_fn if isinstance(reward_fn, RewardSource) else FunctionReward(reward_fn, reward_timeout)
         self.eval_fn = eval_fn if eval_fn is not None else (None if isinstance(reward_fn, RewardSource) else reward_fn)
         parts = self.reward.components()
-        if len(parts) > 1:  # else the class's own (e.g. PreferenceWorkflow's chosen_reward)
-            self.stat_keys = tuple(f"reward_{n}" for n in parts)
+        self.part_names = parts if len(parts) > 1 else ()  # logged as rollout/reward_<name>
+        self.stat_keys = type(self).stat_keys + tuple(f"reward_{n}" for n in self.part_names)
         self.dump_path = os.path.join(dump_dir, "rollouts.jsonl") if dump_dir else None
         self._dump_lock = threading.Lock()
         if dump_dir:
@@ -164,8 +164,8 @@ class RLVRWorkflow(RolloutWorkflow):
         if self.dump_path:
             self._dump(data, [t for _, t, _ in results], rewards, resps, start, [p[1] for _, _, p in results])
         traj = build_trajectories(resps, rewards)
-        for key in self.stat_keys:
-            traj[key] = torch.tensor([p[1][key[len("reward_"):]] for _, _, p in results], dtype=torch.float32)
+        for name in self.part_names:
+            traj[f"reward_{name}"] = torch.tensor([p[1][name] for _, _, p in results], dtype=torch.float32)
         return traj
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
