@@ -22,7 +22,8 @@ RECIPES = sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(os.path.join(R
                  + glob.glob(os.path.join(REPO_ROOT, "recipes", "agents", "*.py")))
 NEEDS = {"langgraph_agent.py": "langgraph", "openai_agents_sdk.py": "agents", "openai_agent.py": "openai",
          "multiply_tool.py": "openai"}
-NO_SERVERS = {("recipes/sft_math.py", ()), ("recipes/dpo_math.py", ("--mode", "offline"))}
+NO_SERVERS = {("recipes/sft_math.py", ()), ("recipes/dpo_math.py", ("--mode", "offline")), ("recipes/rm_math.py", ())}
+NO_ROLLOUT = {"recipes/sft_math.py", "recipes/rm_math.py"}  # supervised configs: no rollout section at all
 
 
 def test_every_recipe_is_covered():
@@ -71,7 +72,7 @@ def test_recipe_honours_the_config_dump(monkeypatch, tmp_path, tiny_model_dir, r
     assert dumped["output_dir"] == str(fileroot / dumped["experiment_name"] / "dumped")
     assert dumped["model_path"] == os.path.abspath(tiny_model_dir)
     assert recipe_servers(dumped) == (0 if (recipe, tuple(extra)) in NO_SERVERS else 1)  # the launcher's reading
-    assert ("rollout" in dumped) is (recipe != "recipes/sft_math.py")
+    assert ("rollout" in dumped) is (recipe not in NO_ROLLOUT)
     assert not fileroot.exists()  # trained nothing, wrote nothing
 
 

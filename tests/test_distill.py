@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO_ROOT, save_tiny_model
+from conftest import REPO_ROOT, env_without_dist, save_tiny_model
 from arealite.algorithms.distill import reverse_kl_advantages
 
 
@@ -148,8 +148,8 @@ def test_teacher_tokenizer_must_match(tiny_model_dir, tmp_path):
         check_same_tokenizer(tok, other)
     cmd = [sys.executable, os.path.join(REPO_ROOT, "recipes", "distill_math.py"), "--actor.path", tiny_model_dir,
            "--fileroot", str(tmp_path), "--teacher.path", str(tmp_path / "nowhere")]
-    proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "teacher.path" in proc.stderr and not (tmp_path / "distill_math" / "trial0" / "logs").exists()
+    proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=300, env=env_without_dist())
+    assert proc.returncode != 0 and "teacher.path" in proc.stderr, proc.stderr[-3000:] and not (tmp_path / "distill_math" / "trial0" / "logs").exists()
 
 
 def test_distill_recipe_two_ranks_teacher_equal_to_student(tiny_model_dir, tmp_path):
@@ -159,7 +159,7 @@ def test_distill_recipe_two_ranks_teacher_equal_to_student(tiny_model_dir, tmp_p
            "--gconfig.n_samples", "2", "--gconfig.max_new_tokens", "8", "--rollout.consumer_batch_size", "4",
            "--train_dataset.batch_size", "4", "--valid_dataset.size", "4"]
     proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=env_without_dist(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = [s for s in map(json.loads, open(tmp_path / "distill_math" / "trial0" / "stats.jsonl")) if "summary" not in s]
     assert [s["step"] for s in steps] == [0, 1]

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, env_without_dist
 from arealite.algorithms.reward_model import BradleyTerry, bt_loss, check_pairs, reward_batch, sequence_scores
 
 
@@ -225,7 +225,7 @@ def test_rm_recipe_two_ranks_trains_and_final_serves(tiny_model_dir, tmp_path):
            "--total_train_steps", "4", "--evaluator.freq_steps", "2", "--train_dataset.batch_size", "4",
            "--valid_dataset.size", "6", "--valid_dataset.batch_size", "2", "--actor.optimizer.lr", "1e-3"]
     proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=env_without_dist(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(l) for l in open(tmp_path / "rm_math" / "trial0" / "stats.jsonl")]
     steps = [r for r in rows if "summary" not in r]

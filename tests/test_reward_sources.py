@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, env_without_dist
 from arealite.api.config import GenerationConfig
 from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelResponse
@@ -199,7 +199,7 @@ def _sft_constant_judge(tiny_model_dir, out, reply="Score: 7"):
            "--train_dataset.path", path, "--train_dataset.batch_size", "16", "--total_train_steps", "40",
            "--actor.optimizer.lr", "3e-3", "--evaluator.freq_steps", "0", "--evaluator.at_start", "False",
            "--evaluator.at_end", "False", "--valid_dataset.path", path, "--valid_dataset.size", "4"]
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=900, env=env_without_dist(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return os.path.join(out, "sft_math", "trial0", "final")
 
@@ -212,7 +212,7 @@ def test_judge_rewarded_grpo_three_steps_two_ranks_with_our_server_as_judge(tiny
            "--rollout.consumer_batch_size", "4", "--train_dataset.batch_size", "4", "--valid_dataset.size", "4",
            "--reward.judge.path", judge, "--reward.judge.max_new_tokens", "8", "--reward.length_penalty", "0.001"]
     proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=env_without_dist(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = [s for s in map(json.loads, open(tmp_path / "grpo_rlhf" / "trial0" / "stats.jsonl")) if "summary" not in s]
     assert [s["step"] for s in steps] == [0, 1, 2]
