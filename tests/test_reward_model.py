@@ -196,6 +196,34 @@ def test_server_classify_and_get_reward_equal_in_process_forward(rm_server):
     assert info["is_generation"] is False and info["max_batch"] > 1 and info["forwards"] < info["sequences"]
 
 
+def test_remote_reward_model_source_reads_both_protocols_of_our_server(rm_server):
+    """The reward source the RL loop uses, against the live server: exact token ids over
+    /classify, and the chat-templated text over /get_reward, each equal to transformers' forward."""
+    import asyncio
+
+    from arealite.reward.sources import RemoteRewardModel, Sample, rm_text
+    from arealite.utils.hf import load_tokenizer
+
+    path, addr = rm_server
+    tok = load_tokenizer(path)
+    s = Sample([{"role": "user", "content": "What is 2+3?"}], "5", [1, 50, 60], [70, 80, 2])
+    by_ids, by_text = RemoteRewardModel(addr), RemoteRewardModel(addr, "get_reward", tokenizer=tok)
+
+    async def both():
+        try:
+            return await by_ids.ascore(s), await by_text.ascore(s)
+        finally:
+            await by_ids.aclose()
+            await by_text.aclose()
+
+    got_ids, got_text = asyncio.run(both())
+    assert abs(got_ids - hf_scores(path, [[1, 50, 60, 70, 80, 2]])[0]) <= 1e-5
+    text_ids = tok(rm_text(tok, s), add_special_tokens=False)["input_ids"]
+    assert text_ids[-1] == tok.eos_token_id  # the completion ended: EOS is part of what is scored
+    assert abs(got_text - hf_scores(path, [text_ids])[0]) <= 1e-5
+    assert by_ids.counters()["rm/ok"] == 1 and by_text.counters()["rm/ok"] == 1
+
+
 @pytest.mark.parametrize("body,field", [
     ({}, "text"), ({"text": "a", "input_ids": [1]}, "text"), ({"text": ""}, "text"), ({"text": []}, "text"),
     ({"input_ids": []}, "input_ids"), ({"input_ids": [1, "x"]}, "input_ids"), ({"input_ids": [[1], [10**9]]}, "input_ids[1]"),

@@ -171,6 +171,34 @@ class _PerLoop:
             return self.items.pop(asyncio.get_running_loop(), None)
 
 
+async def post_with_retries(session, url: str, body: dict, retries: int, timeout: float):
+    """POST ``body`` as JSON to ``url`` and return the decoded reply, trying up to ``retries``
+    times on a connection error, a timeout (``timeout`` s, the session's) or a 5xx; a 4xx is not
+    retried (the request is bad).
+
+    Raises: RewardFailure: ``http`` (the last reply's status and body), ``timeout``, ``connection``,
+        or ``bad_reply`` (a 200 whose body is not JSON)."""
+    import aiohttp
+
+    reason, detail = "connection", ""
+    for _ in range(max(1, retries)):
+        try:
+            async with session.post(url, json=body) as resp:
+                if resp.status == 200:
+                    try:
+                        return await resp.json(content_type=None)
+                    except ValueError as e:  # not JSON
+                        raise RewardFailure("bad_reply", f"{url}: reply is not JSON ({e!r})") from None
+                reason, detail = "http", f"answered {resp.status}: {(await resp.text())[:300]}"
+                if resp.status < 500:
+                    break
+        except asyncio.TimeoutError:
+            reason, detail = "timeout", f"no reply within {timeout} s"
+        except aiohttp.ClientError as e:
+            reason, detail = "connection", repr(e)
+    raise RewardFailure(reason, f"{url} {detail}")
+
+
 # ----------------------------------------------------------------------------------- sources
 
 
@@ -284,25 +312,10 @@ class RemoteRewardModel(RewardSource):
         return value
 
     async def _score(self, sample: Sample) -> float:
-        import aiohttp
-
         endpoint, body = self.body(sample)
-        reason, detail = "connection", ""
         async with self._sem.get():
-            for _ in range(self.retries):
-                try:
-                    async with self._sessions.get().post(self.url + endpoint, json=body) as resp:
-                        if resp.status != 200:
-                            reason, detail = "http", f"{endpoint} answered {resp.status}: {(await resp.text())[:300]}"
-                            if resp.status < 500:
-                                break  # a bad request: retrying cannot help
-                            continue
-                        return self.parse(await resp.json(content_type=None))
-                except asyncio.TimeoutError:
-                    reason, detail = "timeout", f"{endpoint}: no reply within {self.timeout} s"
-                except aiohttp.ClientError as e:
-                    reason, detail = "connection", f"{endpoint}: {e!r}"
-        raise RewardFailure(reason, f"{self.url}{detail}")
+            return self.parse(await post_with_retries(self._sessions.get(), self.url + endpoint, body,
+                                                      self.retries, self.timeout))
 
     async def aclose(self) -> None:
         session = self._sessions.pop_current()
@@ -448,34 +461,17 @@ class OpenAIJudge(LLMJudge):
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), headers=headers)
 
     async def _reply(self, prompt: str) -> tuple[str, int, int]:
-        import aiohttp
-
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
                 "max_tokens": self.max_tokens}
-        reason, detail = "connection", ""
         async with self._sem.get():
-            for _ in range(self.retries):
-                try:
-                    async with self._sessions.get().post(self.url + "/chat/completions", json=body) as resp:
-                        if resp.status != 200:
-                            reason, detail = "http", f"answered {resp.status}: {(await resp.text())[:300]}"
-                            if resp.status < 500:
-                                break
-                            continue
-                        reply = await resp.json(content_type=None)
-                except asyncio.TimeoutError:
-                    reason, detail = "timeout", f"no reply within {self.timeout} s"
-                    continue
-                except aiohttp.ClientError as e:
-                    reason, detail = "connection", repr(e)
-                    continue
-                try:
-                    text = reply["choices"][0]["message"]["content"] or ""
-                    usage = reply.get("usage") or {}
-                    return str(text), int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-                except (KeyError, IndexError, TypeError, ValueError) as e:
-                    raise RewardFailure("bad_reply", f"{self.url}: unexpected reply {str(reply)[:200]!r} ({e!r})") from None
-        raise RewardFailure(reason, f"{self.url}/chat/completions {detail}")
+            reply = await post_with_retries(self._sessions.get(), self.url + "/chat/completions", body,
+                                            self.retries, self.timeout)
+        try:
+            text = reply["choices"][0]["message"]["content"] or ""
+            usage = reply.get("usage") or {}
+            return str(text), int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise RewardFailure("bad_reply", f"{self.url}: unexpected reply {str(reply)[:200]!r} ({e!r})") from None
 
     async def aclose(self) -> None:
         session = self._sessions.pop_current()
