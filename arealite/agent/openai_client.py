@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -56,13 +55,12 @@ from arealite.api.engine import InferenceEngine
 from arealite.api.io_struct import ModelRequest
 from arealite.api.workflow import RolloutWorkflow
 from arealite.agent.sampling import SamplingError, check_sampling
+from arealite.env.tools import parse_tool_calls  # one parser for environments and the proxy
 from arealite.workflow.multi_turn import (Episode, chat_segment_ids, dump_episodes, episodes_to_batch, rollouts_path,
                                          summarize_episodes)
 
 logger = logging.getLogger("arealite.agent")
 
-# Hermes/Qwen-style tool calls in the generated text: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -124,38 +122,6 @@ def _as_dict(message: Any) -> dict[str, Any]:
     if d.get("content") is None:
         d["content"] = ""
     return d
-
-
-def _arguments(value: Any) -> str | None:
-    """``arguments`` as OpenAI returns them (a JSON string of an object), or None when ``value``
-    is not an object's arguments (see the module docstring)."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return "{}"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)  # decoded exactly once
-        except json.JSONDecodeError:
-            return None
-    return json.dumps(value) if isinstance(value, dict) else None
-
-
-def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
-    """The OpenAI ``tool_calls`` of a generated ``text`` (Hermes-style ``<tool_call>`` blocks), or
-    None when it has no valid one. Each call's ``function.arguments`` is a JSON string with
-    ``isinstance(json.loads(arguments), dict)``; invalid blocks are skipped (module docstring)."""
-    calls = []
-    for m in _TOOL_CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"].strip()):
-            continue
-        arguments = _arguments(obj.get("arguments"))
-        if arguments is not None:
-            calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                          "function": {"name": obj["name"], "arguments": arguments}})
-    return calls or None
 
 
 class ArealOpenAI:

@@ -223,13 +223,14 @@ def _check_dataset(d: "DatasetConfig", p: str) -> None:
     _number(d, p, "size", integer=True, ge=1, optional=True, fix="None = all rows")
     _number(d, p, "batch_size", integer=True, ge=1)
     # generated or packaged tasks: dataset/math_data, multiplication, code_data (code, humaneval)
-    if d.path not in (None, "arithmetic", "multiplication", "code", "humaneval"):
+    if d.path not in (None, "arithmetic", "multiplication", "code", "humaneval", "search", "retail"):
         try:
             dataset_source(d.path)
         except ValueError as e:
             raise ConfigError(p + "path", f"{e}; or null/'arithmetic' for the embedded task "
                               "('multiplication' in recipes/agents/multiply_tool.py, 'code'/'humaneval' in "
-                              "recipes/code_grpo.py)") from None
+                              "recipes/code_grpo.py, 'search' in recipes/search_agent.py, 'retail' in "
+                              "recipes/service_agent.py)") from None
     if d.instruction is not None and (isinstance(d, SFTDatasetConfig) or not isinstance(d.instruction, str)):
         raise ConfigError(p + "instruction", f"{d.instruction!r}: pass a string appended to each math prompt "
                           "('' = the bare question), or null for the format's default; SFT/preference data take none")

@@ -14,6 +14,13 @@ environment tokens have ``loss_mask = 0``, logprob 0 and version -1.
 
 Reward: the environment's final reward times ``turn_discount ** (turns - 1)`` (a correct answer
 at the first try keeps its full reward, every extra turn costs a factor ``turn_discount``).
+
+Every episode ends for one counted reason, ``info["ended_<reason>"] = 1`` (:data:`END_REASONS`):
+``done`` (the environment said so), ``turn_limit``, ``context_limit`` (the next turn would not fit
+``max_context_tokens``), ``time_limit`` (``max_episode_seconds`` of wall time: the turn in flight is
+cancelled, reward 0), or the environment's own (``tool_timeout``, ``tool_failed`` of
+:class:`~arealite.env.tools.ToolEnv`). An episode cut short keeps every token it has; the other
+episodes of its group are untouched.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from arealite.utils.data import pad_and_stack
 from arealite.utils.hf import tokenize_chat
 from arealite.workflow.reward_owner import OwnsRewardWorker
 
+END_REASONS = ("done", "turn_limit", "context_limit", "time_limit", "tool_timeout", "tool_failed")
 _PROBE = [{"role": "user", "content": "\x00probe-user\x00"}, {"role": "assistant", "content": "\x00probe-reply\x00"}]
 
 
@@ -106,15 +114,17 @@ class Episode:
         self.versions += list(versions) if sampled else [-1] * n
 
 
-def episodes_to_batch(episodes: list[Episode]) -> dict[str, torch.Tensor]:
+def episodes_to_batch(episodes: list[Episode], info_keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Pad episodes into the token-aligned layout of :mod:`arealite.api.io_struct`.
 
     Returns: ``input_ids`` [N, T] int64, ``attention_mask`` [N, T] bool, ``loss_mask`` [N, T]
     int32, ``logprobs`` [N, T] float32, ``versions`` [N, T] int64 (padding -1), ``rewards`` [N]
-    float32, ``no_eos`` [N] bool, ``turns`` [N] float32 (model turns per episode).
+    float32, ``no_eos`` [N] bool, ``turns`` [N] float32 (model turns per episode), and for each of
+    ``info_keys`` its episode total [N] float32 (0 where an episode has none).
     """
     seqs = [e.input_ids for e in episodes]
-    return {
+    extra = {k: torch.tensor([float(e.info.get(k, 0.0)) for e in episodes], dtype=torch.float32) for k in info_keys}
+    return {**extra,
         "input_ids": pad_and_stack(seqs, 0, torch.int64),
         "attention_mask": pad_and_stack([[1] * len(s) for s in seqs], 0, torch.bool),
         "loss_mask": pad_and_stack([e.loss_mask for e in episodes], 0, torch.int32),
@@ -168,18 +178,27 @@ class MultiTurnWorkflow(RolloutWorkflow):
         truncate_fn: optional ``fn(tokenizer, sampled_ids) -> k``; only the first ``k`` sampled
             ids of a turn are kept (a stop string, e.g. the end of a code block).
         dump_dir: if set, each episode's text, reward and turns go to ``dump_dir/rollouts.jsonl``.
+        info_keys: episode ``info`` totals returned as per-trajectory tensors and logged as
+            ``rollout/<key>`` (e.g. ``("tool_calls", "ended_time_limit")``).
+        max_episode_seconds: wall-time limit of one episode [s] (None: none).
 
     Raises:
-        ValueError: a bad ``max_turns`` / ``turn_discount`` / ``max_context_tokens`` (named).
+        ValueError: a bad ``max_turns`` / ``turn_discount`` / ``max_context_tokens`` /
+            ``max_episode_seconds`` (named).
     """
 
     stat_keys = ("turns",)  # logged as rollout/turns
 
     def __init__(self, env_factory: Callable[[dict[str, Any]], Environment], gconfig: GenerationConfig, tokenizer,
                  max_turns: int = 2, turn_discount: float = 0.9, max_context_tokens: int = 1024,
-                 truncate_fn: Callable[[Any, list[int]], int] | None = None, dump_dir: str | None = None):
+                 truncate_fn: Callable[[Any, list[int]], int] | None = None, dump_dir: str | None = None,
+                 info_keys: tuple[str, ...] = (), max_episode_seconds: float | None = None):
         # the agent.* rules of validate_config (one copy, in arealite.api.cli)
         check_multi_turn(MultiTurnConfig(max_turns, turn_discount, max_context_tokens), gconfig.max_new_tokens)
+        if max_episode_seconds is not None and not max_episode_seconds > 0:
+            raise ValueError(f"max_episode_seconds must be > 0 (or None for no limit), got {max_episode_seconds}")
+        self.info_keys, self.max_episode_seconds = tuple(info_keys), max_episode_seconds
+        self.stat_keys = type(self).stat_keys + self.info_keys
         self.env_factory, self.gconfig, self.tokenizer = env_factory, gconfig, tokenizer
         self.max_turns, self.turn_discount, self.max_context_tokens = max_turns, turn_discount, max_context_tokens
         self.truncate_fn = truncate_fn
@@ -191,7 +210,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         episodes = await asyncio.gather(*[self.run_one(engine, data, rid) for _ in range(self.gconfig.n_samples)])
         if self.dump_path:
             dump_episodes(self.dump_path, data, episodes, start)
-        return episodes_to_batch(list(episodes))
+        return episodes_to_batch(list(episodes), self.info_keys)
 
     async def run_one(self, engine: InferenceEngine, data: dict[str, Any], rid: str | None = None) -> Episode:
         """One episode (one trajectory); see the module docstring."""
@@ -199,14 +218,29 @@ class MultiTurnWorkflow(RolloutWorkflow):
         ep = Episode()
         gconfig = replace(self.gconfig, n_samples=1)
         rid = rid or uuid.uuid4().hex  # every turn on the same server (prefix reuse)
+        deadline = None if self.max_episode_seconds is None else time.monotonic() + self.max_episode_seconds
+
+        async def bounded(coro):  # the rest of the episode's wall time (asyncio.TimeoutError past it)
+            if deadline is None:
+                return await coro
+            return await asyncio.wait_for(coro, max(deadline - time.monotonic(), 0.0))
+
+        ended = "turn_limit"
         try:
             ep.append(tokenize_chat(self.tokenizer, await env.areset(data)), sampled=False)
             step = StepResult()
             for turn in range(self.max_turns):
                 if len(ep.input_ids) + gconfig.max_new_tokens > self.max_context_tokens:
+                    ended = "context_limit"
                     break
                 ep.requests.append(list(ep.input_ids))
-                resp = await engine.agenerate(ModelRequest(input_ids=list(ep.input_ids), gconfig=gconfig, rid=rid))
+                try:
+                    resp = await bounded(engine.agenerate(ModelRequest(input_ids=list(ep.input_ids), gconfig=gconfig,
+                                                                       rid=rid)))
+                except asyncio.TimeoutError:
+                    ep.requests.pop()
+                    ended, step = "time_limit", StepResult()
+                    break
                 out = resp.output_tokens
                 keep = len(out) if self.truncate_fn is None else self.truncate_fn(self.tokenizer, out)
                 ep.append(out[:keep], True, resp.output_logprobs[:keep], resp.output_versions[:keep])
@@ -214,13 +248,22 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 ep.turns += 1
                 text = self.tokenizer.decode(out[:keep], skip_special_tokens=True)
                 ep.texts.append(text)
-                step = await env.astep(text)
+                try:
+                    step = await bounded(env.astep(text))
+                except asyncio.TimeoutError:
+                    ended, step = "time_limit", StepResult()
+                    break
                 for k, v in step.info.items():
                     ep.info[k] = ep.info.get(k, 0.0) + float(v)
-                if step.done or turn == self.max_turns - 1:
+                if step.done:
+                    ended = "done"
+                    break
+                if turn == self.max_turns - 1:
                     break
                 ep.append(chat_segment_ids(self.tokenizer, step.messages, out[keep - 1] if keep else None), False)
             ep.reward = step.reward * self.turn_discount ** max(ep.turns - 1, 0)
+            if not any(k.startswith("ended_") for k in ep.info):  # the environment may name its own reason
+                ep.info[f"ended_{ended}"] = 1.0
         finally:
             await env.aclose()
         return ep
