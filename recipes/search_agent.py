@@ -17,7 +17,7 @@ import sys
 
 from arealite.algorithms.grpo import GRPO
 from arealite.api.config import SearchAgentConfig
-from arealite.env.search import SearchEnv, make_encyclopedia, make_search_questions, search_stops, shared_index
+from arealite.env.search import SearchEnv, load_search_questions, make_encyclopedia, search_stops, shared_index
 from arealite.env.tools import stop_at
 from arealite.trainer.entry import load_run_config
 from arealite.trainer.rl_loop import run_rl
@@ -26,33 +26,20 @@ from arealite.workflow.multi_turn import END_REASONS, MultiTurnWorkflow
 INFO_KEYS = ("tool_calls", "tool_errors", "answered", "correct", *(f"ended_{r}" for r in END_REASONS))
 
 
-def load_questions(path, split: str = "train", size: int | None = None, seed: int = 0, *, config: SearchAgentConfig):
-    """``dataset_loader`` of the recipe: ``path`` "search" (or unset) = questions about the train or
-    held-out people of ``config.search``'s encyclopedia.
-
-    Raises:
-        ValueError: any other path.
-    """
-    if path not in (None, "", "search"):
-        raise ValueError("the search agent's questions are generated: use path 'search' (or leave it unset)")
-    s = config.search
-    enc = make_encyclopedia(s.seed, s.n_people, s.n_cities)
-    return make_search_questions(enc, size, seed, tuple(s.kinds), split)
-
-
 def build_search_agent(config: SearchAgentConfig, tokenizer, dump_dir: str | None) -> MultiTurnWorkflow:
     s, a = config.search, config.agent
     index = shared_index(make_encyclopedia(s.seed, s.n_people, s.n_cities))  # built once per process
-    env = functools.partial(SearchEnv, index, s.k, s.format_reward, s.tool_timeout, config.tool_role, s.call_format)
+    env = functools.partial(SearchEnv, index, s.k, s.format_reward, a.tool_timeout, config.tool_role, s.call_format)
+    env()  # a bad search.call_format / agent.tool_timeout fails here, before any rollout
     return MultiTurnWorkflow(lambda data: env(), config.gconfig, tokenizer, a.max_turns, a.turn_discount,
                              a.max_context_tokens, truncate_fn=stop_at(search_stops(s.call_format)),
-                             dump_dir=dump_dir, info_keys=INFO_KEYS, max_episode_seconds=s.max_episode_seconds)
+                             dump_dir=dump_dir, info_keys=INFO_KEYS, max_episode_seconds=a.max_episode_seconds)
 
 
 def main(argv: list[str] | None = None) -> dict:
     config = load_run_config(SearchAgentConfig, argv)
     return run_rl(config, GRPO.from_config, build_search_agent,
-                  dataset_loader=functools.partial(load_questions, config=config))
+                  dataset_loader=functools.partial(load_search_questions, task=config.search))
 
 
 if __name__ == "__main__":

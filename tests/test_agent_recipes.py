@@ -118,3 +118,27 @@ def test_multi_turn_recipe_honours_dynamic_sampling(tiny_model_dir, tmp_path):
     assert proc.returncode != 0
     assert "algo.dynamic_sampling" in proc.stdout + proc.stderr and "all-equal rewards" in proc.stdout + proc.stderr
     assert not os.path.exists(tmp_path / "multi_turn_math" / "trial0" / "final")
+
+
+@pytest.mark.parametrize("recipe,keys", [
+    ("search_agent", ("tool_calls", "answered", "correct")),
+    ("service_agent", ("tool_calls", "policy_violations", "user_turns", "db_match")),
+])
+def test_env_agent_recipe_two_steps_on_two_ranks(tiny_model_dir, tmp_path, recipe, keys):
+    """The search and the customer-service agent: 2 GRPO steps on 2 ranks (tiny random model) with their
+    YAML configs and generated data; each step logs the tool counters and exactly one end reason per
+    episode (the ended_* means sum to 1)."""
+    config = os.path.join(REPO_ROOT, "recipes", "configs", f"{recipe}.yaml")
+    proc = _torchrun(f"{recipe}.py", ["--config", config, "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path),
+                                      *SMALL], cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = tmp_path / recipe / "trial0"
+    steps = [s for s in map(json.loads, open(out / "stats.jsonl")) if "summary" not in s]
+    assert [s["step"] for s in steps] == [0, 1]
+    for s in steps:
+        assert all(f"rollout/{k}" in s for k in keys) and 1.0 <= s["rollout/turns"] <= 4
+        assert sum(v for k, v in s.items() if k.startswith("rollout/ended_")) == pytest.approx(1.0)
+    rollouts = [json.loads(line) for line in open(out / "rollouts" / "rollouts.jsonl")]
+    assert rollouts and all(sum(v for k, v in info.items() if k.startswith("ended_")) == 1
+                            for r in rollouts for info in r["info"])
+    assert "held-out greedy evaluation after training: reward" in proc.stdout

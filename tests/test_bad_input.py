@@ -168,9 +168,10 @@ def test_shipped_configs_pass_validation(monkeypatch):
     root = os.path.join(REPO_ROOT, "recipes", "configs")
     classes = {"dpo": DPOConfig, "grpo": GRPOConfig, "gspo": GRPOConfig, "multi": MultiTurnGRPOConfig,
                "ppo": PPOConfig, "sft": SFTConfig, "tool": ToolAgentGRPOConfig}
-    from arealite.api.config import CodeGRPOConfig, GSPOConfig, ProxyAgentGRPOConfig
+    from arealite.api.config import CodeGRPOConfig, GSPOConfig, ProxyAgentGRPOConfig, SearchAgentConfig, ServiceAgentConfig
 
-    classes.update(gspo=GSPOConfig, multiply=ProxyAgentGRPOConfig, proxy=ProxyAgentGRPOConfig, code=CodeGRPOConfig)
+    classes.update(gspo=GSPOConfig, multiply=ProxyAgentGRPOConfig, proxy=ProxyAgentGRPOConfig, code=CodeGRPOConfig,
+                   search=SearchAgentConfig, service=ServiceAgentConfig)
     for name in sorted(os.listdir(root)):
         load_config(classes[name.split("_")[0]], ["--config", os.path.join(root, name)])
 

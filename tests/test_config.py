@@ -145,13 +145,14 @@ def test_every_top_level_config_is_a_run_config_with_the_recipe_defaults(tmp_pat
             and "total_train_steps" in cls.__dataclass_fields__ and cls is not C.RunConfig}
     assert set(tops) == {"GRPOConfig", "GSPOConfig", "PPOConfig", "SFTConfig", "DPOConfig", "MultiTurnGRPOConfig",
                          "ToolAgentGRPOConfig", "ProxyAgentGRPOConfig", "CodeGRPOConfig", "RMConfig", "RLHFConfig",
-                         "DistillConfig"}
+                         "DistillConfig", "SearchAgentConfig", "ServiceAgentConfig"}
     names = {name: cls().experiment_name for name, cls in tops.items()}
     assert names == {"GRPOConfig": "grpo_math", "GSPOConfig": "gspo_math", "PPOConfig": "ppo_math",
                      "SFTConfig": "sft_math", "DPOConfig": "dpo_math", "MultiTurnGRPOConfig": "multi_turn_math",
                      "ToolAgentGRPOConfig": "tool_agent_math", "ProxyAgentGRPOConfig": "proxy_agent",
                      "CodeGRPOConfig": "code_grpo", "RMConfig": "rm_math", "RLHFConfig": "grpo_rlhf",
-                     "DistillConfig": "distill_math"}
+                     "DistillConfig": "distill_math", "SearchAgentConfig": "search_agent",
+                     "ServiceAgentConfig": "service_agent"}
     for cls in tops.values():
         c = cls()
         assert isinstance(c, C.RunConfig) and c.logger.wandb.project == ""

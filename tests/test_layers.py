@@ -21,6 +21,7 @@ RANKS = {
     "utils": 1,  # processes, HF loading, recover checkpoints, stats logger, timeline
     "sandbox": 2,  # the code sandbox (model-written programs in a limited process)
     "reward": 3, "algorithms": 3,  # verifiers (the code reward runs programs in the sandbox) and metrics; losses
+    "env": 3,  # environments with tools and state (search index, store database, simulated users)
     "dataset": 4,  # rows, loaders (math rows carry answers normalised by arealite.reward)
     "rollout": 5,  # the asyncio executor and the staleness rule
     "train_engine": 6, "inference": 6,  # FSDP2 train engine; the HTTP inference client

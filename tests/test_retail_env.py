@@ -366,3 +366,32 @@ def test_llm_user_sees_the_conversation_with_roles_flipped_and_its_stop_ends_the
                                "<|im_start|>user\nThanks, one moment.<|im_end|>\n<|im_start|>assistant\n")
     assert len(steps) == 2 and steps[1].done and steps[1].reward == 0.0  # stopped before anything was done
     assert info == {"user_turns": 2, "policy_violations": 0, "db_match": 0} and engine.calls == 3
+
+
+# --------------------------------------------------------------------------- tag calls and demonstrations
+
+def test_tag_calls_and_demonstrations_reach_the_same_database_state():
+    """The small-model form: ``<tool>args</tool>`` calls (arguments in schema order, " | "-separated) drive
+    the same tools; the demonstrations are real episodes on another store, in the env's own format."""
+    from arealite.env.retail import DEMO_SEED, retail_stops
+
+    env = scripted_env(call_format="tags", demos=True)
+    first, steps, info = play(env, row("cancel"), [
+        f"<find_user_id_by_email>{EMAIL}</find_user_id_by_email>",
+        f"<cancel_pending_order>{PENDING} | no longer needed</cancel_pending_order>",
+        f"Done: order {PENDING} is cancelled."])
+    assert steps[-1].done and steps[-1].reward == 1.0 and info["db_match"] == 1 and info["policy_violations"] == 0
+    assert steps[0].messages[0]["content"] == f"<information>{KESSA}</information>"
+    assert env.db["orders"][PENDING]["status"] == "cancelled" and env.db["orders"][PENDING]["cancel_reason"] == "no longer needed"
+    assert retail_stops("tags") == tuple(f"</{t.name}>" for t in env.tools) and retail_stops("hermes") == ("</tool_call>",)
+    # demonstrations: system, then 3 worked episodes (user, calls and outputs, closing), then the task
+    assert first[0]["role"] == "system" and first[-1] == {"role": "user", "content": row("cancel")["first_message"]}
+    demo = first[1:-1]
+    assert [m["role"] for m in demo].count("user") == 3 + 6  # 3 first messages + 2 tool outputs each (role user)
+    demo_db = load_retail_db(DEMO_SEED)
+    for m in demo:
+        if m["role"] == "assistant" and m["content"].startswith("<cancel_pending_order>"):
+            order_id = m["content"].split(">")[1].split(" | ")[0]
+            assert demo_db["orders"][order_id]["status"] == "pending"  # a real, cancellable demo order
+            assert order_id not in load_retail_db(0)["orders"]
+    assert all(m["content"].startswith(("<information>", "Hi")) for m in demo if m["role"] == "user")

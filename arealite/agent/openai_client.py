@@ -41,7 +41,6 @@ tool call: its text stays in ``content`` only, and a reply without a valid call 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid

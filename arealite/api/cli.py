@@ -411,6 +411,8 @@ def _check_multi_turn(m: "MultiTurnConfig", p: str) -> None:
     _number(m, p, "max_turns", integer=True, ge=1)
     _number(m, p, "turn_discount", gt=0, le=1)
     _number(m, p, "max_context_tokens", integer=True, ge=2)
+    _number(m, p, "tool_timeout", gt=0, fix="seconds one tool call may run")
+    _number(m, p, "max_episode_seconds", gt=0, optional=True, fix="wall-time seconds of one episode, or null")
 
 
 def _check_sandbox(s: "SandboxConfig", p: str) -> None:

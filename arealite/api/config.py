@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from arealite.api.env import RetailTaskConfig, SearchTaskConfig  # noqa: F401 - the env agents' task sections
+
 
 @dataclass
 class GenerationConfig:
@@ -511,6 +513,8 @@ class MultiTurnConfig:
     max_turns: int = 2  # model turns per episode (answers, or code runs plus the answer)
     turn_discount: float = 0.9  # reward × turn_discount^(turns − 1): each extra turn costs this factor
     max_context_tokens: int = 1024  # stop before a turn whose prompt + max_new_tokens exceeds this [tokens]
+    max_episode_seconds: float | None = None  # wall time of one episode [s] (None: no limit)
+    tool_timeout: float = 10.0  # seconds one tool call may run before the episode ends (env agents) [s]
 
 
 @dataclass
@@ -532,44 +536,13 @@ class ToolAgentGRPOConfig(GRPOConfig):
 
 
 @dataclass
-class SearchTaskConfig:
-    """The search agent's world (arealite/env/search.py): a seeded fictional encyclopedia, BM25 over it."""
-
-    seed: int = 0  # the encyclopedia's facts (train and held-out questions are about different people)
-    n_people: int = 300
-    n_cities: int = 40
-    kinds: tuple[str, ...] = ("city", "year", "profession", "country")  # question kinds ("country": two hops)
-    k: int = 3  # passages per search
-    call_format: str = "tags"  # "tags" (<search>q</search>, Search-R1) or "hermes" (<tool_call> JSON)
-    format_reward: float = 0.0  # reward of a wrong answer in <answer> tags
-    tool_timeout: float = 10.0  # seconds one search may take before the episode ends [s]
-    max_episode_seconds: float = 120.0  # wall time of one episode [s]
-
-
-@dataclass
 class SearchAgentConfig(GRPOConfig):
     """Top-level config of recipes/search_agent.py: GRPO over search episodes (tool calls + answer)."""
 
     experiment_name: str = "search_agent"
-    agent: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig(max_turns=4, turn_discount=1.0))
-    search: SearchTaskConfig = field(default_factory=SearchTaskConfig)
+    agent: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig(4, 1.0, 1024))
+    search: SearchTaskConfig = field(default_factory=SearchTaskConfig)  # arealite/api/env.py
     tool_role: str = "user"  # chat role of tool output ("tool" for templates that have one)
-
-
-@dataclass
-class RetailTaskConfig:
-    """The customer-service domain (arealite/env/retail.py): a store database, tools, a policy, a user."""
-
-    db_seed: int = 0  # the store's database (users, orders, products)
-    n_users: int = 20
-    difficulty: str = "easy"  # "easy": the first message says it all; "hard": ask, confirm before writes
-    intents: tuple[str, ...] = ("cancel", "return", "status")
-    demos: bool = True  # worked episodes as earlier chat turns (a 135M model calls tools only after them)
-    call_format: str = "tags"  # "tags" (<tool>args</tool>) or "hermes" (<tool_call> JSON)
-    strict_policy: bool = False  # reward 0 after a policy violation (default: violations are counted)
-    max_user_turns: int = 4  # the scripted user's replies before it stops
-    tool_timeout: float = 10.0  # [s]
-    max_episode_seconds: float = 120.0  # [s]
 
 
 @dataclass
@@ -577,9 +550,8 @@ class ServiceAgentConfig(GRPOConfig):
     """Top-level config of recipes/service_agent.py: GRPO over customer-service episodes."""
 
     experiment_name: str = "service_agent"
-    agent: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig(max_turns=4, turn_discount=1.0,
-                                                                           max_context_tokens=2048))
-    retail: RetailTaskConfig = field(default_factory=RetailTaskConfig)
+    agent: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig(4, 1.0, 2048))
+    retail: RetailTaskConfig = field(default_factory=RetailTaskConfig)  # arealite/api/env.py
     tool_role: str = "user"
 
 

@@ -46,3 +46,32 @@ class Environment(abc.ABC):
 
     async def aclose(self) -> None:
         """Release resources (called once per episode, also after errors)."""
+
+
+# The task sections of the environments arealite ships (recipes/search_agent.py, recipes/service_agent.py).
+
+@dataclass
+class SearchTaskConfig:
+    """The search agent's world (arealite/env/search.py): a seeded fictional encyclopedia, BM25 over it."""
+
+    seed: int = 0  # the encyclopedia's facts (train and held-out questions are about different people)
+    n_people: int = 300
+    n_cities: int = 40
+    kinds: tuple[str, ...] = ("city", "year", "profession", "country")  # question kinds ("country": two hops)
+    k: int = 3  # passages per search
+    call_format: str = "tags"  # "tags" (<search>q</search>, Search-R1) or "hermes" (<tool_call> JSON)
+    format_reward: float = 0.0  # reward of a wrong answer in <answer> tags
+
+
+@dataclass
+class RetailTaskConfig:
+    """The customer-service domain (arealite/env/retail.py): a store database, tools, a policy, a user."""
+
+    db_seed: int = 0  # the store's database (users, orders, products); held-out tasks use db_seed + 1
+    n_users: int = 20
+    difficulty: str = "easy"  # "easy": the first message says it all; "hard": ask, confirm before writes
+    intents: tuple[str, ...] = ("cancel", "return", "status")
+    demos: bool = True  # worked episodes as earlier chat turns (a 135M model calls tools only after them)
+    call_format: str = "tags"  # "tags" (<tool>args</tool>) or "hermes" (<tool_call> JSON)
+    strict_policy: bool = False  # reward 0 after a policy violation (default: violations are counted)
+    max_user_turns: int = 4  # the scripted user's replies before it stops

@@ -25,23 +25,17 @@ row's ``db_seed`` (the pristine JSON is cached per process, each episode gets it
 
 from __future__ import annotations
 
-import abc
 import functools
 import hashlib
 import json
 import random
 import re
-import uuid
-from dataclasses import replace
 from typing import Any, Callable
 
-from arealite.api.config import GenerationConfig
 from arealite.api.env import StepResult
-from arealite.api.io_struct import ModelRequest
 from arealite.env.tools import Tool, ToolEnv, ToolError
-from arealite.utils.hf import tokenize_chat
+from arealite.env.users import STOP, LLMUser, ScriptedUser, UserSimulator  # noqa: F401 - re-exported
 
-STOP = "###STOP###"  # the simulated user's "I am done" (τ-bench)
 ORDER_STATUSES = ("pending", "processed", "delivered", "cancelled", "return requested")
 CANCEL_REASONS = ("no longer needed", "ordered by mistake")  # τ-bench's only accepted reasons
 INTENTS = ("cancel", "return", "status")
@@ -139,27 +133,36 @@ def _order_total(db: dict[str, Any], order: dict[str, Any]) -> float:
     return _money(sum(db["products"][i]["price"] for i in order["items"]))
 
 
+# (name, description, JSON-schema parameters, writes) of the six tools, in the order the model sees them
+_ORDER_ID = {"type": "string", "description": "the order id, with '#', e.g. #W1234567"}
+_TOOL_SPECS = [
+    ("find_user_id_by_email", "Find a user's id by their email address.",
+     _obj(email="the user's email, e.g. mira.vantree1234@example.com"), False),
+    ("get_user_details", "Get a user's details, including their order ids.",
+     _obj(user_id="the user id, e.g. mira_vantree_1234"), False),
+    ("get_order_details", "Get an order's status, items and owner.", _obj(order_id=_ORDER_ID["description"]), False),
+    ("cancel_pending_order", "Cancel a pending order.",
+     {"type": "object", "properties": {"order_id": _ORDER_ID, "reason": {
+         "type": "string", "enum": list(CANCEL_REASONS), "description": "why the user cancels"}},
+      "required": ["order_id", "reason"]}, True),
+    ("return_delivered_order", "Request a return of a delivered order.", _obj(order_id=_ORDER_ID["description"]), True),
+    ("transfer_to_human_agents", "Transfer the user to a human agent (only if the request is outside the tools).",
+     _obj(summary="a short summary of the user's issue"), False),
+]
+
+
 def make_retail_tools(db: dict[str, Any], on_lookup: Callable[[str, str], None] | None = None,
                       on_write: Callable[[str, dict[str, Any]], None] | None = None,
                       on_transfer: Callable[[str], None] | None = None) -> list[Tool]:
-    """The six retail tools, bound to ``db`` (they read and mutate this dict in place).
+    """The six tools of :data:`_TOOL_SPECS`, bound to ``db`` (they read and mutate it in place).
 
-    Read: ``find_user_id_by_email(email)``, ``get_user_details(user_id)``, ``get_order_details(order_id)``.
-    Write (``writes=True``): ``cancel_pending_order(order_id, reason)`` (status "pending" →
-    "cancelled", adds ``cancel_reason`` and ``refund``), ``return_delivered_order(order_id)``
-    ("delivered" → "return requested", adds ``refund``). ``transfer_to_human_agents(summary)``
-    changes nothing (the environment ends the episode). Outputs are JSON of the record (τ-bench's).
-
-    Args:
-        db: a database of :func:`make_retail_db` (this episode's copy).
-        on_lookup: called as ``(tool name, user_id)`` after a successful user lookup (authentication).
-        on_write: called as ``(tool name, order)`` when a write tool is called on an existing
-            order, before the status check (the environment's policy bookkeeping).
-        on_transfer: called with the summary by ``transfer_to_human_agents``.
-
-    Raises (from the tools, as :class:`ToolError`: text for the model, the episode goes on): an
-    unknown email / user id / order id, a non-string argument, an order in the wrong status, a
-    cancel reason outside :data:`CANCEL_REASONS`.
+    Writes: ``cancel_pending_order`` ("pending" → "cancelled", adds ``cancel_reason`` and ``refund``),
+    ``return_delivered_order`` ("delivered" → "return requested", adds ``refund``); outputs are the
+    record's JSON (τ-bench's). Hooks: ``on_lookup(tool, user_id)`` after a successful user lookup,
+    ``on_write(tool, order)`` on a write to an existing order (before the status check),
+    ``on_transfer(summary)``. The tools raise :class:`ToolError` (text for the model, the episode goes
+    on) for an unknown email / user / order, a non-string argument, a wrong status, a reason outside
+    :data:`CANCEL_REASONS`.
     """
 
     def _str(name: str, value: Any) -> str:
@@ -193,12 +196,16 @@ def make_retail_tools(db: dict[str, Any], on_lookup: Callable[[str, str], None] 
     def get_order_details(order_id):
         return json.dumps(_order(order_id))
 
-    def cancel_pending_order(order_id, reason):
+    def _write(tool: str, order_id: Any, status: str, verb: str) -> dict[str, Any]:
         order = _order(order_id)
         if on_write:
-            on_write("cancel_pending_order", order)
-        if order["status"] != "pending":
-            raise ToolError(f"order {order['order_id']} is {order['status']}; only pending orders can be cancelled")
+            on_write(tool, order)
+        if order["status"] != status:
+            raise ToolError(f"order {order['order_id']} is {order['status']}; only {status} orders can be {verb}")
+        return order
+
+    def cancel_pending_order(order_id, reason):
+        order = _write("cancel_pending_order", order_id, "pending", "cancelled")
         reason = _str("reason", reason)
         if reason not in CANCEL_REASONS:
             raise ToolError(f"reason must be one of {list(CANCEL_REASONS)}, got {reason!r}")
@@ -207,11 +214,7 @@ def make_retail_tools(db: dict[str, Any], on_lookup: Callable[[str, str], None] 
         return json.dumps(order)
 
     def return_delivered_order(order_id):
-        order = _order(order_id)
-        if on_write:
-            on_write("return_delivered_order", order)
-        if order["status"] != "delivered":
-            raise ToolError(f"order {order['order_id']} is {order['status']}; only delivered orders can be returned")
+        order = _write("return_delivered_order", order_id, "delivered", "returned")
         order.update(status="return requested",
                      refund={"amount": _order_total(db, order), "payment_method": order["payment_method"]})
         return json.dumps(order)
@@ -222,23 +225,10 @@ def make_retail_tools(db: dict[str, Any], on_lookup: Callable[[str, str], None] 
             on_transfer(summary)
         return "Transfer successful"
 
-    return [
-        Tool("find_user_id_by_email", "Find a user's id by their email address.",
-             _obj(email="the user's email, e.g. mira.vantree1234@example.com"), find_user_id_by_email),
-        Tool("get_user_details", "Get a user's details, including their order ids.",
-             _obj(user_id="the user id, e.g. mira_vantree_1234"), get_user_details),
-        Tool("get_order_details", "Get an order's status, items and owner.",
-             _obj(order_id="the order id, with '#', e.g. #W1234567"), get_order_details),
-        Tool("cancel_pending_order", "Cancel a pending order.",
-             {"type": "object", "properties": {
-                 "order_id": {"type": "string", "description": "the order id, with '#', e.g. #W1234567"},
-                 "reason": {"type": "string", "enum": list(CANCEL_REASONS), "description": "why the user cancels"}},
-              "required": ["order_id", "reason"]}, cancel_pending_order, writes=True),
-        Tool("return_delivered_order", "Request a return of a delivered order.",
-             _obj(order_id="the order id, with '#', e.g. #W1234567"), return_delivered_order, writes=True),
-        Tool("transfer_to_human_agents", "Transfer the user to a human agent (only if the request is outside the tools).",
-             _obj(summary="a short summary of the user's issue"), transfer_to_human_agents),
-    ]
+    fns = {f.__name__: f for f in (find_user_id_by_email, get_user_details, get_order_details, cancel_pending_order,
+                                   return_delivered_order, transfer_to_human_agents)}
+    return [Tool(name, description, parameters, fns[name], writes=writes)
+            for name, description, parameters, writes in _TOOL_SPECS]
 
 
 def apply_actions(db: dict[str, Any], actions: list[dict[str, Any]]) -> dict[str, Any]:
@@ -359,125 +349,6 @@ def make_retail_tasks(n: int, seed: int, db: dict[str, Any], difficulty: str = "
             "db_max_orders_per_user": meta["max_orders_per_user"],
         })
     return rows
-
-
-class UserSimulator(abc.ABC):
-    """The simulated customer of one episode (τ-bench's user): it opens the conversation and
-    replies to each agent message; a reply containing :data:`STOP` means it is done."""
-
-    @abc.abstractmethod
-    async def areset(self, task: dict[str, Any]) -> str:
-        """Start a conversation for ``task`` (a row of :func:`make_retail_tasks`); return the first message."""
-
-    @abc.abstractmethod
-    async def areply(self, agent_message: str) -> str:
-        """The customer's reply to ``agent_message`` (:data:`STOP` when done)."""
-
-
-_DONE_RE = re.compile(r"\b(done|completed|successful(ly)?|all set|has been (cancell?ed|canceled|returned|requested)|"
-                      r"is (now )?(cancell?ed|canceled)|return (has been |is )?(requested|initiated|submitted))\b", re.I)
-_CONFIRM_RE = re.compile(r"confirm|yes or no|proceed\?|shall i|should i|do you want me to|would you like me to", re.I)
-_ASK_EMAIL_RE = re.compile(r"e-?mail", re.I)
-_ASK_ORDER_RE = re.compile(r"order (id|number)|which order|order's id", re.I)
-_ASK_REASON_RE = re.compile(r"reason|\bwhy\b", re.I)
-
-
-class ScriptedUser(UserSimulator):
-    """A deterministic customer that answers from the task by keywords of the agent's message.
-
-    Rules, in order: the agent says the request is done ("done", "has been cancelled",
-    "successfully", ...; for a "status" task also any message containing the status) → :data:`STOP`;
-    the agent asks to confirm ("confirm", "yes or no", "proceed?", "shall I" ...) → "yes"; the agent
-    asks for the email / the order id / the reason → the asked ones, in one reply; anything else →
-    the task's first message again (a fixed re-statement). After ``max_user_turns`` replies the next
-    one is :data:`STOP`.
-
-    Args:
-        max_user_turns: replies before the customer gives up.
-    """
-
-    def __init__(self, max_user_turns: int = 6):
-        self.max_user_turns = max_user_turns
-        self.task: dict[str, Any] = {}
-        self.replies = 0
-
-    async def areset(self, task: dict[str, Any]) -> str:
-        self.task, self.replies = task, 0
-        return task["first_message"]
-
-    async def areply(self, agent_message: str) -> str:
-        self.replies += 1
-        if self.replies > self.max_user_turns:
-            return STOP
-        t, text = self.task, agent_message
-        if _DONE_RE.search(text) or any(o.lower() in text.lower() for o in t["outputs"]):
-            return STOP
-        if _CONFIRM_RE.search(text):
-            return "yes"
-        answers = []
-        if _ASK_EMAIL_RE.search(text):
-            answers.append(f"My email is {t['email']}.")
-        if _ASK_ORDER_RE.search(text):
-            answers.append(f"The order id is {t['order_id']}.")
-        if t["reason"] and _ASK_REASON_RE.search(text):
-            answers.append(f"The reason is: {t['reason']}.")
-        return " ".join(answers) if answers else t["first_message"]
-
-
-USER_SYSTEM_PROMPT = (
-    "You are a customer talking to the customer service agent of an online store. Your goal: {instruction}\n"
-    "Write only the customer's next message, short, one message at a time. Never invent information "
-    "that is not in your goal: if asked for something you do not know, say you do not know. "
-    "When your goal is met, reply with only " + STOP + ".")
-AGENT_GREETING = "Hi! How can I help you today?"  # τ-bench's opening, from which the user's first message comes
-
-
-class LLMUser(UserSimulator):
-    """A customer played by a language model through any :class:`~arealite.api.engine.InferenceEngine`
-    (τ-bench's LLM user).
-
-    Its prompt: :data:`USER_SYSTEM_PROMPT` with the task's ``instruction``, then the conversation with
-    the roles flipped (the agent's messages are "user" turns, its own replies "assistant"), rendered
-    by the tokenizer's chat template (:func:`~arealite.utils.hf.tokenize_chat`); one
-    ``engine.agenerate`` per message, decoded with special tokens skipped. Its tokens never enter
-    the policy's trajectory (the environment passes only text).
-
-    Args:
-        engine: generates the customer's messages (may be the policy's engine, or a frozen one).
-        tokenizer: HF tokenizer with a chat template (the simulator model's).
-        gconfig: its sampling parameters (``n_samples`` is ignored).
-        first_message_from_task: open with the task's scripted ``first_message`` instead of
-            generating a reply to :data:`AGENT_GREETING`.
-        system_prompt: a template with ``{instruction}``.
-    """
-
-    def __init__(self, engine, tokenizer, gconfig: GenerationConfig, first_message_from_task: bool = False,
-                 system_prompt: str = USER_SYSTEM_PROMPT):
-        self.engine, self.tokenizer = engine, tokenizer
-        self.gconfig = replace(gconfig, n_samples=1)
-        self.first_message_from_task, self.system_prompt = first_message_from_task, system_prompt
-        self.rid = uuid.uuid4().hex
-        self.messages: list[dict[str, str]] = []
-
-    async def _generate(self) -> str:
-        ids = tokenize_chat(self.tokenizer, self.messages)
-        resp = await self.engine.agenerate(ModelRequest(input_ids=ids, gconfig=self.gconfig, rid=self.rid))
-        text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True).strip()
-        self.messages.append({"role": "assistant", "content": text})
-        return text
-
-    async def areset(self, task: dict[str, Any]) -> str:
-        self.messages = [{"role": "system", "content": self.system_prompt.format(instruction=task["instruction"])}]
-        if self.first_message_from_task:
-            self.messages += [{"role": "user", "content": AGENT_GREETING},
-                              {"role": "assistant", "content": task["first_message"]}]
-            return task["first_message"]
-        self.messages.append({"role": "user", "content": AGENT_GREETING})
-        return await self._generate()
-
-    async def areply(self, agent_message: str) -> str:
-        self.messages.append({"role": "user", "content": agent_message})
-        return await self._generate()
 
 
 def retail_stops(call_format: str = "hermes") -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from arealite.api.config import SearchTaskConfig
 from arealite.api.env import StepResult
 from arealite.env.tools import Tool, ToolEnv, ToolError
 
@@ -137,6 +138,23 @@ def make_search_questions(enc: Encyclopedia, n: int | None = None, seed: int = 0
     return rows
 
 
+def load_search_questions(path, split: str = "train", size: int | None = None, seed: int = 0, *,
+                          task: SearchTaskConfig | None = None) -> list[dict[str, Any]]:
+    """A ``dataset_loader`` (:func:`arealite.trainer.rl_loop.run_rl`, bind ``task`` with
+    :func:`functools.partial`): ``path`` "search" (or unset) = questions about the train or held-out
+    people of the encyclopedia of ``task`` (a :class:`~arealite.api.config.SearchTaskConfig`; None:
+    its defaults).
+
+    Raises:
+        ValueError: any other path.
+    """
+    if path not in (None, "", "search"):
+        raise ValueError("the search agent's questions are generated: use path 'search' (or leave it unset)")
+    task = task or SearchTaskConfig()
+    enc = make_encyclopedia(task.seed, task.n_people, task.n_cities)
+    return make_search_questions(enc, size, seed, tuple(task.kinds), split)
+
+
 def normalize_answer(text: str) -> str:
     """SQuAD's normalisation (Rajpurkar et al. 2016, the official evaluation script): lower case, no
     punctuation, no articles, single spaces."""
@@ -166,8 +184,8 @@ def extract_answer(text: str) -> str | None:
 
 
 class BM25Index:
-    """Okapi BM25 over ``passages`` with bm25s (Lù 2024, arXiv 2407.03618; k1 = 1.5, b = 0.75,
-    English stop words). Read-only once built, so any number of concurrent episodes share one.
+    """Okapi BM25 over ``passages`` with bm25s (Lù 2024, arXiv 2407.03618): Lucene's variant
+    (Kamphuis et al. 2020), k1 = 1.5, b = 0.75, words of ≥ 2 letters, lower case, English stop words. Read-only once built, so any number of concurrent episodes share one.
 
     Args:
         passages: the corpus.
@@ -201,10 +219,11 @@ class BM25Index:
         best first; a query with no indexed word returns ``[]``."""
         import bm25s
 
-        tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
-        if not any(tokens.ids[0]) and not tokens.ids[0]:
+        words = [w for w in bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
+                 if w in self.retriever.vocab_dict]
+        if not words:
             return []
-        docs, scores = self.retriever.retrieve(tokens, k=min(k, len(self.passages)), show_progress=False, n_threads=1)
+        docs, scores = self.retriever.retrieve([words], k=min(k, len(self.passages)), show_progress=False, n_threads=1)
         return [(int(d), float(s)) for d, s in zip(docs[0], scores[0]) if s > 0]
 
 

@@ -271,10 +271,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
         """One greedy episode per row (through ``engine``, e.g. inside a recipe, from a fresh
         event loop). Returns ``{"reward": mean discounted reward, "solved": fraction with reward
-        > 0, "turns": mean model turns}``."""
+        > 0, "turns": mean model turns}`` plus the mean of each of ``info_keys`` per episode."""
         greedy = copy.copy(self)
         greedy.gconfig = replace(self.gconfig, greedy=True, n_samples=1)
-        return await summarize_episodes(greedy.run_one, engine, rows)
+        return await summarize_episodes(greedy.run_one, engine, rows, self.info_keys)
 
 
 
@@ -322,10 +322,11 @@ class MultiTurnMathWorkflow(OwnsRewardWorker, MultiTurnWorkflow):
         self.reward_fn = math_reward  # what the worker runs (OwnsRewardWorker.start imports it early)
 
 
-async def summarize_episodes(run_one: Callable, engine: InferenceEngine, rows: list[dict[str, Any]]) -> dict[str, float]:
+async def summarize_episodes(run_one: Callable, engine: InferenceEngine, rows: list[dict[str, Any]],
+                             info_keys: tuple[str, ...] = ()) -> dict[str, float]:
     """Run ``run_one(engine, row)`` (→ :class:`Episode`) for every row concurrently and
     summarise: ``{"reward": mean reward, "solved": fraction with reward > 0, "turns": mean
-    model turns}``. Closes the engine's per-event-loop HTTP session afterwards (call it from a
+    model turns}`` and the per-episode mean of each of ``info_keys`` (e.g. ``tool_calls``). Closes the engine's per-event-loop HTTP session afterwards (call it from a
     fresh event loop, e.g. ``asyncio.run`` in a recipe)."""
     try:
         eps = await asyncio.gather(*[run_one(engine, r) for r in rows])
@@ -335,4 +336,4 @@ async def summarize_episodes(run_one: Callable, engine: InferenceEngine, rows: l
             await aclose()
     n = max(1, len(eps))
     return {"reward": sum(e.reward for e in eps) / n, "solved": sum(e.reward > 0 for e in eps) / n,
-            "turns": sum(e.turns for e in eps) / n}
+            "turns": sum(e.turns for e in eps) / n, **{k: sum(e.info.get(k, 0.0) for e in eps) / n for k in info_keys}}
