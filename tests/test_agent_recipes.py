@@ -129,8 +129,9 @@ def test_env_agent_recipe_two_steps_on_two_ranks(tiny_model_dir, tmp_path, recip
     YAML configs and generated data; each step logs the tool counters and exactly one end reason per
     episode (the ended_* means sum to 1)."""
     config = os.path.join(REPO_ROOT, "recipes", "configs", f"{recipe}.yaml")
+    fit = ["--agent.max_context_tokens", "1024"] + (["--retail.demos", "False"] if recipe == "service_agent" else [])
     proc = _torchrun(f"{recipe}.py", ["--config", config, "--actor.path", tiny_model_dir, "--fileroot", str(tmp_path),
-                                      *SMALL], cwd=str(tmp_path))
+                                      *fit, *SMALL], cwd=str(tmp_path))  # the tiny model's context is 1024
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = tmp_path / recipe / "trial0"
     steps = [s for s in map(json.loads, open(out / "stats.jsonl")) if "summary" not in s]

@@ -218,6 +218,17 @@ def test_max_new_tokens_beyond_the_model_context_names_the_field(tiny_model_dir)
         check_model_fits(tiny_model_dir, GenerationConfig(max_new_tokens=1000), prompt_tokens=25)
 
 
+def test_agent_context_beyond_the_model_context_names_the_field(tiny_model_dir):
+    """A multi-turn episode may grow to agent.max_context_tokens: more than the model's positions is
+    refused before any rollout (the server would refuse the long turns one by one)."""
+    from arealite.api.config import MultiTurnConfig
+
+    check_model_fits(tiny_model_dir, GenerationConfig(), agent=MultiTurnConfig(max_context_tokens=1024))
+    with pytest.raises(ConfigError, match=r"^agent.max_context_tokens: 2048 exceeds the model's "
+                                          r"max_position_embeddings=1024.*use at most 1024"):
+        check_model_fits(tiny_model_dir, GenerationConfig(), agent=MultiTurnConfig(max_context_tokens=2048))
+
+
 def test_model_folder_without_readable_config_names_actor_path(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="^actor.path: cannot read"):

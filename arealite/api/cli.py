@@ -549,15 +549,17 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def check_model_fits(model_path: str, gconfig: "GenerationConfig", tokenizer: Any = None,
                      prompt_tokens: int = 0, need_chat_template: bool = True,
-                     path_field: str = "actor.path") -> None:
+                     path_field: str = "actor.path", agent: Any = None) -> None:
     """Model-dependent checks, cheap (config.json and the tokenizer only, no weights):
 
     * ``tokenizer`` (if given) has a chat template when ``need_chat_template`` (the math and
       agent workflows format prompts with it);
-    * ``prompt_tokens + gconfig.max_new_tokens`` fits the model's ``max_position_embeddings``.
+    * ``prompt_tokens + gconfig.max_new_tokens`` fits the model's ``max_position_embeddings``;
+    * so does a multi-turn episode: ``agent.max_context_tokens`` (``agent`` a MultiTurnConfig, if given).
 
     Raises:
-        ConfigError: naming ``actor.path`` (no chat template) or ``gconfig.max_new_tokens``.
+        ConfigError: naming ``actor.path`` (no chat template), ``gconfig.max_new_tokens`` or
+            ``agent.max_context_tokens``.
     """
     if tokenizer is not None and need_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(path_field, f"the tokenizer of {model_path!r} has no chat template; use an "
@@ -576,6 +578,10 @@ def check_model_fits(model_path: str, gconfig: "GenerationConfig", tokenizer: An
         raise ConfigError("gconfig.max_new_tokens", f"{gconfig.max_new_tokens} (+ {prompt_tokens} prompt tokens) "
                           f"exceeds the model's max_position_embeddings={limit}; use at most "
                           f"{max(limit - prompt_tokens, 0)}")
+    context = getattr(agent, "max_context_tokens", None)
+    if isinstance(limit, int) and isinstance(context, int) and context > limit:
+        raise ConfigError("agent.max_context_tokens", f"{context} exceeds the model's max_position_embeddings={limit}: "
+                          f"an episode that grew that long would be refused by the server; use at most {limit}")
 
 
 _CHECKS += [

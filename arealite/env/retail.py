@@ -19,6 +19,11 @@ string of the task's ``outputs`` was said to the customer; else 0. Policy violat
 order whose owner was not authenticated; in the hard variant, writing without the customer's explicit
 "yes") are counted in ``info["policy_violations"]`` and cost nothing unless ``strict_policy``.
 
+Calls are Hermes JSON by default; ``call_format="tags"`` gives ``<cancel_pending_order>#W1234567 | no
+longer needed</cancel_pending_order>`` (:mod:`arealite.env.tools`), which SmolLM2-135M writes after the
+worked demonstrations of :meth:`RetailEnv.demonstrations` (``demos=True``); the customers are in
+:mod:`arealite.env.users`.
+
 Everything here is plain dicts and deterministic in the seeds; the database is rebuilt from the
 row's ``db_seed`` (the pristine JSON is cached per process, each episode gets its own copy).
 """

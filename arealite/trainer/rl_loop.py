@@ -422,7 +422,8 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
     model_path = resolve_model_path(config.actor.path)
     recover_path = resolve_checkpoint(config.recover, os.path.join(config.output_dir, "recover"))
     tokenizer = load_tokenizer(model_path)
-    check_model_fits(model_path, config.gconfig, tokenizer)  # chat template, max_new_tokens vs context
+    # chat template, max_new_tokens and a multi-turn episode's context vs the model's
+    check_model_fits(model_path, config.gconfig, tokenizer, agent=getattr(config, "agent", None))
     workflow = build_workflow(config, tokenizer, os.path.join(config.output_dir, "rollouts") if rank == 0 else None)
     workflow.start()  # e.g. a reward process whose start-up overlaps model loading
     if rank == 0:
