@@ -46,7 +46,8 @@ def load_tasks(path, split: str = "train", size: int | None = None, seed: int = 
 def build_service_agent(config: ServiceAgentConfig, tokenizer, dump_dir: str | None) -> MultiTurnWorkflow:
     r, a = config.retail, config.agent
     env = functools.partial(RetailEnv, lambda task: ScriptedUser(r.max_user_turns), a.tool_timeout, config.tool_role,
-                            strict_policy=r.strict_policy, call_format=r.call_format, demos=r.demos)
+                            strict_policy=r.strict_policy, call_format=r.call_format, demos=r.demos,
+                            demo_intents=tuple(r.intents))
     stops = retail_stops(r.call_format)  # a bad retail.call_format fails here, before any rollout
     return MultiTurnWorkflow(lambda data: env(), config.gconfig, tokenizer, a.max_turns, a.turn_discount,
                              a.max_context_tokens, truncate_fn=stop_at(stops), dump_dir=dump_dir,

@@ -378,6 +378,8 @@ class RetailEnv(ToolEnv):
         max_calls_per_turn: tool calls of one turn that run.
         strict_policy: reward 0 for an episode with a policy violation (default: violations are
             only counted).
+        call_format: "hermes" (JSON ``<tool_call>``) or "tags" (``<tool>args</tool>``).
+        demos: show :meth:`demonstrations` as earlier chat turns; ``demo_intents``: of these intents.
 
     Dataset rows are those of :func:`make_retail_tasks`. A model turn with a ``<tool_call>`` runs it;
     any other turn is a message to the customer, whose reply comes back as a "user" message; the
@@ -393,9 +395,10 @@ class RetailEnv(ToolEnv):
 
     def __init__(self, user_factory: Callable[[dict[str, Any]], UserSimulator], tool_timeout: float = 10.0,
                  tool_role: str = "user", max_calls_per_turn: int = 4, strict_policy: bool = False,
-                 call_format: str = "hermes", demos: bool = False):
+                 call_format: str = "hermes", demos: bool = False, demo_intents: tuple[str, ...] = INTENTS):
         super().__init__([], tool_timeout, tool_role, max_calls_per_turn, call_format)
         self.user_factory, self.strict_policy, self.demos = user_factory, strict_policy, demos
+        self.demo_intents = tuple(demo_intents)
 
     async def areset(self, data: dict[str, Any]) -> list[dict[str, str]]:
         for key in ("db_seed", "gold_actions", "outputs", "difficulty", "order_id"):
@@ -426,7 +429,7 @@ class RetailEnv(ToolEnv):
         return [system, *(self.demonstrations() if self.demos else []), {"role": "user", "content": first}]
 
     def demonstrations(self) -> list[dict[str, str]]:
-        """Worked easy episodes (one per intent) as earlier chat turns, on the database of seed
+        """Worked easy episodes (one per intent of ``demo_intents``) as earlier chat turns, on the database of seed
         :data:`DEMO_SEED` (not the tasks'): the customer's first message, each gold call in this
         environment's call format, the real tool outputs, the closing message. A 135M model writes
         tool calls only after demonstrations (docs/agents.md)."""
@@ -434,7 +437,7 @@ class RetailEnv(ToolEnv):
         tools = {t.name: t for t in make_retail_tools(db)}
         messages = []
         for task in [make_retail_tasks(1, DEMO_SEED + k, db, "easy", intents=(intent,))[0]
-                     for k, intent in enumerate(INTENTS)]:
+                     for k, intent in enumerate(self.demo_intents)]:
             messages.append({"role": "user", "content": task["first_message"]})
             for action in task["gold_actions"]:
                 output = tools[action["name"]].fn(**action["arguments"])
