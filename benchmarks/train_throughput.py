@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from arealite.algorithms.functional import gather_logprobs  # noqa: E402
 from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConfig  # noqa: E402
 from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
+from arealite.utils import perf  # noqa: E402
 
 TEMPERATURE = 0.7
 CLOCK = time.perf_counter  # set in main()
@@ -72,7 +73,9 @@ def parse_args():
                    help="leading fraction of each row without loss (the engine skips the LM head there)")
     p.add_argument("--clock", choices=["cpu", "wall"], default=None,
                    help="cpu = process CPU time (default on CPU), wall = wall time (default on GPU)")
-    p.add_argument("--bf16", action="store_true", help="GPU: bf16 compute (engine mixed_precision='bf16')")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 compute (engine mixed_precision='bf16'; the plain loop under autocast); "
+                        "fast on a GPU or a CPU with AVX-512 BF16 / AMX only")
     p.add_argument("--lora", action="store_true", help="LoRA vs full fine-tuning instead (see the docstring)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
@@ -295,11 +298,19 @@ def main():
     report("FSDPEngine", tokens, t["engine"], med["engine"])
     print(f"  engine / plain     : {t['plain'] / t['engine']:.3f}×  "
           f"(medians {med['plain'] / med['engine']:.3f}×; goal ≥ 0.97×)")
-    if device.type == "cuda":
-        flops = 6 * n_params * tokens / t["engine"]
-        peak = 989e12 if args.bf16 else 67e12  # H100/H200 dense bf16 / fp32 (non-tensor-core) peak
-        print(f"  engine MFU         : {100 * flops / peak:.1f}% (6·N·tokens/s over {peak / 1e12:.0f} TFLOP/s; "
-              "attention FLOPs not counted)")
+    # MFU: the engine's own model-FLOP count of one step (arealite.utils.perf: 2·N per token, the
+    # attention pairs, the LM head on loss positions only; x3 for forward + backward) over the
+    # measured GEMM rate of the same dtype and threads
+    before = perf.FLOPS.total
+    engine.train_batch(full, loss_fn, n_loss_tokens)
+    step_flops = perf.FLOPS.total - before
+    peak = perf.gemm_peak(torch.bfloat16 if args.bf16 else torch.float32, device,
+                          size=8192 if device.type == "cuda" else 1536) * 1e9
+    print(f"  engine model FLOPs : {step_flops / 1e12:.3f} TFLOP/step (6·N·tokens would say "
+          f"{6 * n_params * tokens / 1e12:.3f}); {step_flops / t['engine'] / 1e9:.1f} GFLOP/s")
+    print(f"  engine MFU         : {100 * step_flops / t['engine'] / peak:.1f}% of the measured "
+          f"{'bf16' if args.bf16 else 'fp32'} GEMM rate {peak / 1e9:.1f} GFLOP/s "
+          f"({torch.get_num_threads()} threads{', CPU clock' if clock == 'cpu' else ''})")
     del model, opt
 
     # 2) packed vs padded on a variable-length batch

@@ -126,7 +126,7 @@ def test_choice_fields_of_a_config_built_in_python_are_checked():
 
     cfg = GRPOConfig()
     cfg.actor.mixed_precision = "fp8"
-    with pytest.raises(ConfigError, match=r"^actor\.mixed_precision: 'fp8' is not one of \['none', 'bf16'\]"):
+    with pytest.raises(ConfigError, match=r"^actor\.mixed_precision: 'fp8' is not one of \['none', 'bf16', 'auto'\]"):
         validate_config(cfg)
     with pytest.raises(ConfigError, match=r"^recover\.mode: 'sometimes'"):
         check_section(RecoverConfig(mode="sometimes"), "recover.")

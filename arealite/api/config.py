@@ -98,7 +98,7 @@ class TrainEngineConfig:
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     gradient_checkpointing: bool = False  # recompute activations in backward
     num_threads: int = 0  # torch intra-op threads per trainer rank (0 = cores left by servers)
-    mixed_precision: Literal["none", "bf16"] = "none"  # bf16: bf16 compute, fp32 grad reduce (GPU)
+    mixed_precision: Literal["none", "bf16", "auto"] = "none"  # bf16: bf16 compute, fp32 master weights + grad reduce; auto: bf16 where fast (GPU, AVX-512 BF16/AMX CPU)
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params/grads/optimizer on CPU
     attn_implementation: str = "auto"  # HF attention; auto = flash_attention_2 on GPU with bf16 if installed, else sdpa
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train LoRA adapters only (PEFT)

@@ -31,7 +31,13 @@ def parse_args(argv=None):
     p.add_argument("--prefix-cache-tokens", type=int, default=8192,
                    help="KV of finished requests kept for later requests with the same prefix "
                         "(e.g. the next turn of an episode) [tokens]; 0 = off")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES) + ["auto"],
+                   help="weights and KV cache (logits and logprobs are fp32 always); auto = "
+                        "bfloat16 where bf16 is fast (a GPU, a CPU with AVX-512 BF16 or AMX), "
+                        "else float32")
+    p.add_argument("--no-packed-linear", action="store_true",
+                   help="CPU: plain F.linear instead of oneDNN pre-packed weights (which cost one "
+                        "more copy of the linear weights' memory)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=0,
@@ -57,6 +63,12 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM
 
+    if args.dtype == "auto":
+        from arealite.utils.perf import fast_bf16
+
+        fast, why = fast_bf16(args.device)
+        args.dtype = "bfloat16" if fast else "float32"
+        logger.info("--dtype auto -> %s (%s)", args.dtype, why)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
     model.to(args.device).eval()
     try:
@@ -66,7 +78,8 @@ def main(argv=None):
     except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
         tokenizer = None
     scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version, tokenizer,
-                          args.max_prefill_tokens, args.prefix_cache_tokens)
+                          args.max_prefill_tokens, args.prefix_cache_tokens,
+                          use_packed_linear=not args.no_packed_linear)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     # handler_cancellation: a client that disconnects (e.g. timed out and moved to another

@@ -21,10 +21,14 @@ def sample_next_tokens(logits, temperature, top_p, top_k, generator):
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
-    plain = (~greedy & ~filtered).nonzero().squeeze(1)
+    plain_mask = ~greedy & ~filtered
+    if bool(plain_mask.all()):  # the usual RL batch: every row samples the tempered softmax
+        tokens = _sample_rows(logprobs_all.exp(), generator)
+        return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    tokens = logits.argmax(dim=-1)
+    plain = plain_mask.nonzero().squeeze(1)
     if plain.numel():  # no top-k/top-p: sample the tempered softmax directly (no sort)
         tokens[plain] = _sample_rows(logprobs_all[plain].exp(), generator)
     rows = (~greedy & filtered).nonzero().squeeze(1)
@@ -52,8 +56,12 @@ def _sample_rows(weights, generator):
     u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device,
                    dtype=cdf.dtype) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    # u * total can round up to total; a zero-weight tail must not be picked, so step back to
-    # the last index with weight (cdf strictly increases there).
-    last = weights.shape[1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(idx, last)
+    # searchsorted(right=True) returns the first i with cdf[i] > u, and a zero-weight i has
+    # cdf[i] = cdf[i-1], so it is never that first index. Only u * total rounding up to total
+    # gives i = V (past the end): then take the row's last index with weight.
+    over = idx >= weights.shape[1]
+    if bool(over.any()):
+        w = weights[over]
+        idx[over] = w.shape[1] - 1 - (w.flip(-1) > 0).int().argmax(dim=-1)
+    return idx
 

@@ -16,6 +16,7 @@ import torch
 from arealite.api import weight_update
 from arealite.server.kv_cache import (ATTN_IMPLEMENTATION, PrefixStore, SlotKVCache, attention_step,
                                              register_attention)
+from arealite.server import packed_linear
 from arealite.server.messages import (Abort, Envelope, Generate, LoadFromDisk, LoadTensors, Message,
                                              Pause, Request, SetThreads)
 from arealite.server.protocol import ABORT_BEFORE_PREFILL, ABORT_BY_PAUSE, SamplingParams, error_body
@@ -50,12 +51,14 @@ class Scheduler:
     recomputing it, provided the KV was computed with the current weights. A request that
     starts with the tokens of a finished one (prompt + output, whole 16-token blocks) takes
     that KV from the :class:`PrefixStore` and prefills only the rest. A weight load empties
-    the store.
+    the store. On CPU the linear layers run on oneDNN pre-packed weights
+    (:mod:`arealite.server.packed_linear`, repacked after every weight load) unless
+    ``use_packed_linear`` is False.
     """
 
     def __init__(self, model, max_batch_size: int = 64, seed: int = 1, weight_version: int = 0,
                  tokenizer=None, max_prefill_tokens: int = 1024,
-                 prefix_cache_tokens: int = 8192):
+                 prefix_cache_tokens: int = 8192, use_packed_linear: bool = True):
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
         if prefix_cache_tokens != 0 and prefix_cache_tokens < PrefixStore.BLOCK:
@@ -87,6 +90,10 @@ class Scheduler:
                            if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        # oneDNN pre-packed linear weights on CPU (arealite/server/packed_linear.py); the
+        # self-check below then compares the packed decode with a plain forward
+        self.packed_linears = (packed_linear.pack_linears(model)
+                               if use_packed_linear and packed_linear.available(self.device, dtype) else 0)
         self._weights_epoch = 0  # +1 at every weight load: KV computed before is not shared
         self.prefix_store = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens else None
         self._queue: queue.Queue = queue.Queue()
@@ -244,6 +251,8 @@ class Scheduler:
         if version is not None:
             self.weight_version = version
         self._weights_epoch += 1
+        if self.packed_linears:
+            packed_linear.invalidate(self.model)  # repacked lazily, off the reply's path
         if self.prefix_store is not None:
             self.prefix_store.clear()
         self._staged_done = 0  # a staged prompt is prefilled again with the new weights

@@ -55,7 +55,7 @@ from arealite.train_engine import lora
 from arealite.train_engine.lm_head import chunked_logprobs_entropy
 from arealite.train_engine.packing import (pack_sequences, packed_layout, prompt_units, shared_prompt_layout,
                                      split_microbatches, unit_length)
-from arealite.utils import trace
+from arealite.utils import perf, trace
 from arealite.utils.data import trim_padding
 from arealite.utils.proc import free_port
 
@@ -100,10 +100,15 @@ def lr_multiplier(oc: OptimizerConfig, step: int, total_steps: int) -> float:
 
 def _check_config(config: TrainEngineConfig) -> None:
     """Reject bad engine settings before any model is loaded (fields named in the error): the
-    section's rules of :func:`arealite.api.cli.validate_config` (one copy), and bf16 needs a GPU."""
+    section's rules of :func:`arealite.api.cli.validate_config` (one copy)."""
     check_section(config)
-    if config.mixed_precision == "bf16" and not torch.cuda.is_available():
-        raise ValueError("mixed_precision='bf16' needs a GPU; use mixed_precision='none' on CPU")
+
+
+def compute_precision(config: TrainEngineConfig) -> str:
+    """``mixed_precision`` resolved for this machine (:func:`arealite.utils.perf.resolve_precision`:
+    ``auto`` -> ``bf16`` on a GPU or a CPU with fast bf16, else ``none``)."""
+    return perf.resolve_precision(config.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu",
+                                  "actor.mixed_precision")
 
 
 def resolve_attn_implementation(config: TrainEngineConfig) -> str:
@@ -114,7 +119,7 @@ def resolve_attn_implementation(config: TrainEngineConfig) -> str:
 
     if config.attn_implementation != "auto":
         return config.attn_implementation
-    half = config.mixed_precision == "bf16" or config.dtype == "bfloat16"
+    half = compute_precision(config) == "bf16" or config.dtype == "bfloat16"
     if torch.cuda.is_available() and half and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
@@ -169,6 +174,7 @@ class FSDPEngine(TrainEngine):
         if use_lora:  # target modules checked on a meta model, before the weights load
             lora.check_target_modules(model_path, self.config.lora, critic=bool(self._lora_modules_to_save))
         model = self._load_model(model_path, getattr(torch, self.config.dtype))
+        self._flop_shape = perf.flop_shape(model)
         if use_lora:  # PEFT adapters before sharding; only they (and a value head) train
             self.peft, model = lora.wrap_model(model, self.config.lora, self._lora_modules_to_save)
         if self.config.gradient_checkpointing:  # transformers ≥ 5.x renamed the method
@@ -178,7 +184,8 @@ class FSDPEngine(TrainEngine):
         if self.peft is not None:  # random adapter init: every rank must shard the same tensors
             lora.broadcast_trainable(model, self.device)
         kw = {}
-        if self.config.mixed_precision == "bf16":
+        self.precision = compute_precision(self.config)
+        if self.precision == "bf16":  # fp32 master weights, optimizer state and gradient reduction
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.config.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
@@ -299,6 +306,7 @@ class FSDPEngine(TrainEngine):
         labels = ids[src + 1]
         lengths = valid.sum(1).tolist()
         units = self._units(mb, lengths)
+        self._mb_flops = self._forward_flops(units, lengths, int(src.numel()))
         if any(p for p, _ in units):
             # rows with the same prompt: the prompt once, each suffix attending to it (4D mask);
             # packed rows of at most the longest unit, as the dense mask costs (row length)²
@@ -329,6 +337,15 @@ class FSDPEngine(TrainEngine):
         if extra is not None:
             mb["entropy"] = to_padded(extra.detach())
         return to_padded(out.float())
+
+    def _forward_flops(self, units, lengths: list[int], head_positions: int) -> float:
+        """Model FLOPs of one micro-batch forward (:func:`arealite.utils.perf.forward_flops`): a
+        shared prompt counted once, each row's suffix attending to it."""
+        tokens = sum(unit_length(u, lengths) for u in units)
+        pairs = sum(perf.causal_pairs(p) + sum(perf.causal_pairs(lengths[i] - p, p) for i in rows)
+                    for p, rows in units)
+        return perf.forward_flops(tokens=tokens, attn_pairs=pairs, head_positions=head_positions,
+                                  **self._flop_shape)
 
     # -- training --------------------------------------------------------------------------------
     def train_batch(
@@ -364,6 +381,8 @@ class FSDPEngine(TrainEngine):
             with trace.span("forward"):  # the timeline's trainer track (arealite/utils/trace.py)
                 out = self._forward_mb(mb)
             n_tokens += 0 if dummy else int(mb["attention_mask"].sum())
+            if not dummy:  # forward + activation grads (+ weight grads unless LoRA)
+                perf.FLOPS.add(self._mb_flops * (2 if self.peft is not None else 3))
             if w == 0:  # dummy, or no loss tokens: loss_fn is not called (its mean would be 0/0);
                 with trace.span("backward"):
                     (out.sum() * 0.0).backward()  # FSDP still needs the backward collectives
@@ -412,6 +431,7 @@ class FSDPEngine(TrainEngine):
             with trace.span("forward (no grad)"):
                 lp = self._forward_mb(mb).float().cpu()
             if not dummy:
+                perf.FLOPS.add(self._mb_flops)
                 out[torch.tensor(rows), : lp.shape[1]] = lp
         return out
 

@@ -24,12 +24,20 @@ from __future__ import annotations
 import torch
 
 
+_HALF = (torch.bfloat16, torch.float16)  # multiplied in fp32 in the head
+
+
 def _scale(temperature: float) -> float:
     return 1.0 if temperature in (0.0, 1.0) else float(temperature)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: float) -> torch.Tensor:
-    """[c, V] float32 logits / T of one chunk (matmul in the model dtype, like the HF head)."""
+    """[c, V] float32 logits / T of one chunk. The matmul runs in fp32 whatever the model dtype
+    (bf16 logits are off by ~0.04 at |logit| 10, a train-inference mismatch of its own; MiniMax-M1,
+    arXiv:2506.13585, section 3.3, likewise keeps the LM head in fp32)."""
+    if h.dtype in _HALF:
+        h, weight = h.float(), weight.float()
+        bias = bias.float() if bias is not None else None
     logits = torch.nn.functional.linear(h, weight, bias).float()  # [c, V]
     if t != 1.0:
         logits.div_(t)
@@ -89,7 +97,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if t != 1.0:
                 g.div_(t)
             if need_h:
-                grad_h[s:e] = (g.to(hidden.dtype) @ weight).to(hidden.dtype)
+                w = weight.float() if weight.dtype in _HALF else weight
+                grad_h[s:e] = (g.to(w.dtype) @ w).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(g.t(), hidden[s:e].float())
             if need_b:
@@ -113,7 +122,8 @@ def chunked_logprobs_entropy(
 
     Args:
         hidden: [N, H] final hidden states (after the final norm), any float dtype.
-        weight: [V, H] LM-head (output embedding) weight, same dtype as ``hidden``.
+        weight: [V, H] LM-head (output embedding) weight, same dtype as ``hidden``; a bf16
+            head is multiplied in fp32 (fp32 logits), its gradient returned in bf16.
         labels: [N] int64 token ids predicted by each row (the *next* token).
         temperature: sampling temperature; 0 or 1 = no scaling.
         chunk_size: rows of logits materialised at once [tokens]; peak extra memory is about

@@ -59,7 +59,7 @@ from arealite.train_engine.lora import LoRAReference
 from arealite.trainer.cores import CoreSharing, core_sharing_for
 from arealite.trainer.entry import load_run_config
 from arealite.trainer.weight_update import sync_weights
-from arealite.utils import trace
+from arealite.utils import perf, trace
 from arealite.utils.hf import load_tokenizer, resolve_model_path
 from arealite.utils.recover import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint, should_save
 from arealite.utils.stats_logger import StatsLogger, require_wandb
@@ -182,6 +182,8 @@ class RLRun:
     algorithm: Algorithm
     logger: StatsLogger
     cores: CoreSharing | None = None
+    gemm_peak_gflops: float = 0.0  # this rank's measured GEMM rate in the actor's compute dtype
+    flops_seen: float = 0.0  # perf.FLOPS.total at the last step's statistics
     evaluator: BackgroundEvaluator | None = None
     tracer: trace.Tracer | None = None
     recover_path: str | None = None
@@ -310,9 +312,21 @@ def step_stats(run: RLRun, batch: dict, version: int, times: tuple[float, float,
         **({"cpu/shared_cores_s": shared - cores_before[0], "cpu/lent_cores_s": lent - cores_before[1]}
            if run.cores is not None else {}),
         "perf/trained_tokens_per_s": stats["rollout/n_tokens"] / (t3 - t0),
+        **_mfu_stats(run, t2 - t1),
         "perf/trained_samples_per_s": run.trained_samples / (t3 - run.run_start),
     })
     return stats
+
+
+def _mfu_stats(run: RLRun, train_s: float) -> dict[str, float]:
+    """This rank's model FLOPs since the last step (:data:`arealite.utils.perf.FLOPS`: actor,
+    reference, critic forwards and backwards), their rate over the update's ``train_s`` seconds,
+    and that rate over the measured GEMM peak (``perf/mfu``, PaLM's model FLOPs utilisation)."""
+    flops, run.flops_seen = perf.FLOPS.total - run.flops_seen, perf.FLOPS.total
+    rate = flops / max(train_s, 1e-9)
+    return {"perf/model_tflops": flops / 1e12, "perf/tflops_per_s": rate / 1e12,
+            "perf/gemm_peak_tflops": run.gemm_peak_gflops / 1e3,
+            "perf/mfu": rate / (run.gemm_peak_gflops * 1e9) if run.gemm_peak_gflops else 0.0}
 
 
 def end_step(run: RLRun, step: int, stats: dict[str, float]) -> None:
@@ -451,6 +465,9 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
                 StatsLogger(config.output_dir, rank, config.total_train_steps, wandb, to_dict(config)),
                 recover_path=recover_path)
     run.cores = _core_sharing(run)
+    # The denominator of perf/mfu, measured before any rollout runs beside it.
+    half = getattr(actor, "precision", "none") == "bf16" or config.actor.dtype == "bfloat16"
+    run.gemm_peak_gflops = perf.gemm_peak(torch.bfloat16 if half else torch.float32, actor.device)
     run.evaluator = _background_evaluator(run, tokenizer)
     # Timeline (trace.json, arealite/utils/trace.py): this rank's spans, its servers' requests, the gate.
     run.tracer = trace.install(trace.Tracer("trainer", f"rank {rank}") if trace.enabled_by_env() else None)

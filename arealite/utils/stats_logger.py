@@ -68,6 +68,7 @@ class StatsLogger:
         ("train", "time/train_s", "{:.1f}s"),
         ("sync", "time/weight_sync_s", "{:.1f}s"),
         ("tok/s", "perf/trained_tokens_per_s", "{:.0f}"),
+        ("mfu", "perf/mfu", "{:.0%}"),
     )
 
     def __init__(self, log_dir: str, rank: int = 0, total_steps: int = 0, wandb_config: Any = None,

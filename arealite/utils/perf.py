@@ -1,0 +1,138 @@
+"""Model FLOPs, the machine's measured GEMM rate, MFU, and the choice of compute precision.
+
+* :func:`forward_flops`: the matmul FLOPs of one transformer forward (PaLM, Chowdhery et al.
+  2022, appendix B: ``2·N`` per token for the ``N`` matmul parameters, plus attention
+  ``2·2·n_layers·d_attn`` per attended (query, key) pair); a training step is 3x the forward
+  with full fine-tuning (forward, gradient of the activations, gradient of the weights) and 2x
+  with LoRA (frozen weights get no weight gradient). Recomputation (gradient checkpointing) is
+  not counted: this is *model* FLOPs utilisation, as in PaLM.
+* :func:`gemm_peak`: GFLOP/s of a large square GEMM in the given dtype on this process's
+  threads, measured once per process (the denominator of MFU: a measured, not a datasheet,
+  peak).
+* :data:`FLOPS`: the model FLOPs this process's train engines ran (``FSDPEngine`` adds to it;
+  the RL loop logs ``perf/model_tflops`` and ``perf/mfu`` per step from its increase).
+* :func:`fast_bf16` / :func:`resolve_precision`: bf16 compute where the hardware multiplies
+  bf16 fast (a GPU; a CPU with AVX-512 BF16 or AMX), fp32 elsewhere (on an AVX2-only CPU bf16
+  GEMM is ~7x *slower* than fp32: ``benchmarks/server_profile.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger("arealite.perf")
+
+
+class _FlopCounter:
+    """Model FLOPs run by this process's train engines (a plain running total)."""
+
+    def __init__(self):
+        self.total = 0.0
+
+    def add(self, flops: float) -> None:
+        self.total += float(flops)
+
+
+FLOPS = _FlopCounter()
+_PEAKS: dict = {}
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that enter a matmul per token: all of ``model``'s but the input embedding
+    (a lookup) and the output embedding (the LM head, counted per head position instead)."""
+    skip = set()
+    for emb in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if emb is not None:
+            skip.update(id(p) for p in emb.parameters())
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def flop_shape(model: torch.nn.Module) -> dict:
+    """The keyword arguments of :func:`forward_flops` that describe ``model`` (an unsharded HF
+    model): matmul parameters, layers, query width, and the LM head's size (0 for a scalar head)."""
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head = model.get_output_embeddings()
+    return {"n_params": matmul_params(model), "n_layers": cfg.num_hidden_layers,
+            "d_attn": cfg.num_attention_heads * head_dim, "hidden": cfg.hidden_size,
+            "vocab": head.weight.shape[0] if head is not None else 0}
+
+
+def forward_flops(n_params: int, tokens: int, attn_pairs: int, n_layers: int, d_attn: int,
+                  head_positions: int = 0, hidden: int = 0, vocab: int = 0) -> float:
+    """FLOPs of one forward: ``2·n_params·tokens + 4·n_layers·d_attn·attn_pairs +
+    2·hidden·vocab·head_positions`` (PaLM appendix B; ``d_attn`` = query heads x head dim,
+    ``attn_pairs`` the causal (query, key) pairs actually attended, ``head_positions`` the
+    positions that get logits)."""
+    return (2.0 * n_params * tokens + 4.0 * n_layers * d_attn * attn_pairs
+            + 2.0 * hidden * vocab * head_positions)
+
+
+def causal_pairs(length: int, prefix: int = 0) -> int:
+    """(query, key) pairs of ``length`` causal tokens that also see ``prefix`` earlier tokens."""
+    return length * prefix + length * (length + 1) // 2
+
+
+def gemm_peak(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 1536) -> float:
+    """Measured GFLOP/s of a ``size``-square GEMM in ``dtype`` on ``device`` with this process's
+    current torch threads (best of 3 after a warm-up), cached per (device, dtype, threads)."""
+    device = torch.device(device)
+    key = (device.type, dtype, torch.get_num_threads())
+    if key not in _PEAKS:
+        a = torch.randn(size, size, dtype=dtype, device=device)
+        b = torch.randn(size, size, dtype=dtype, device=device)
+        best = float("inf")
+        for i in range(4):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            torch.mm(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                best = min(best, time.perf_counter() - t)
+        _PEAKS[key] = 2.0 * size ** 3 / best / 1e9
+    return _PEAKS[key]
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def fast_bf16(device: torch.device | str) -> tuple[bool, str]:
+    """Whether bf16 matmuls are fast on ``device``, and why: CUDA with bf16 support, or a CPU
+    with ``avx512_bf16`` or ``amx_bf16`` (there oneDNN runs bf16 GEMM at ~4x fp32); not an
+    AVX2-only CPU, which converts bf16 in software."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return ok, "CUDA bf16" if ok else "this GPU has no bf16"
+    flags = cpu_flags() & {"avx512_bf16", "amx_bf16"}
+    if flags:
+        return True, "CPU has " + " and ".join(sorted(flags))
+    return False, "CPU has no avx512_bf16 / amx_bf16 (bf16 GEMM is slower than fp32 here)"
+
+
+def resolve_precision(requested: str, device: torch.device | str, what: str) -> str:
+    """``"auto"`` -> ``"bf16"`` where :func:`fast_bf16` holds, else ``"none"`` (fp32); an
+    explicit ``"bf16"``/``"none"`` is kept (``bf16`` without fast bf16 is warned about). Logs
+    the choice with its reason (``what`` names the config field)."""
+    ok, why = fast_bf16(device)
+    if requested == "bf16" and not ok:
+        logger.warning("%s=bf16 without fast bf16 (%s): slower than fp32 here", what, why)
+    if requested != "auto":
+        return requested
+    choice = "bf16" if ok else "none"
+    logger.info("%s=auto -> %s (%s)", what, choice, why)
+    return choice

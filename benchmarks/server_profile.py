@@ -1,0 +1,152 @@
+"""Where one decode step of our server's scheduler spends its time, and what each fix buys.
+
+Builds :class:`arealite.server.scheduler.Scheduler` on the model with ``--rows`` running rows
+whose KV already holds ``--kv-len`` tokens, then times whole decode steps (forward of every
+row's last token + sampling + bookkeeping) for three variants, interleaved ``--reps`` times in
+one process (median reported):
+
+* ``plain``: ``F.linear`` (MKL) and CPU sdpa for the decode attention -- the server before
+  issue 33;
+* ``packed``: oneDNN pre-packed linear weights (:mod:`arealite.server.packed_linear`), sdpa;
+* ``packed+bmm``: packed linears and the three-matmul decode attention
+  (``kv_cache._decode_attention_cpu``) -- today's server.
+
+Then one profile (``torch.profiler``) of today's server groups the step's CPU time into the
+linear layers, attention, sampling and the rest, and prints the GEMM rate of the step's linear
+layers against a large square GEMM of the same dtype and threads.
+
+    python benchmarks/server_profile.py                      # SmolLM2-135M, 32 rows x 200 tokens, 2 threads
+    python benchmarks/server_profile.py --rows 8 --kv-len 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from arealite.server import kv_cache
+from arealite.server.messages import Request
+from arealite.server.protocol import SamplingParams
+from arealite.server.scheduler import Scheduler
+
+GROUPS = {  # profiler op name -> group
+    "mkldnn::_linear_pointwise": "linear", "aten::mm": "linear", "aten::addmm": "linear",
+    "aten::bmm": "attention", "aten::baddbmm": "attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "aten::_softmax": "attention",
+}
+
+
+def _scheduler(model, rows: int, kv_len: int, packed: bool) -> Scheduler:
+    s = Scheduler(model, max_batch_size=max(rows, 1), use_packed_linear=packed)
+    s._rows = []
+    for i in range(rows):
+        params = SamplingParams(temperature=1.0, max_new_tokens=10 ** 9, ignore_eos=True)
+        r = Request(f"r{i}", list(range(1, kv_len + 1)), params, False, None, None)
+        r.kv_len, r.last, r.kv_epoch = kv_len - (i % 7), 5, 0  # rows of slightly different lengths
+        s._rows.append(r)
+    s.cache.ensure(rows, kv_len + 4096, 0, 0)
+    return s
+
+
+def _time_steps(s: Scheduler, steps: int) -> float:
+    """Mean seconds per decode step over ``steps`` steps (KV lengths grow by ``steps``)."""
+    with torch.inference_mode():
+        s._decode_step()
+        t = time.perf_counter()
+        for _ in range(steps):
+            s._decode_step()
+        return (time.perf_counter() - t) / steps
+
+
+def _gemm_rate(m: int, k: int, n: int, dtype, packed: bool) -> float:
+    """GFLOP/s of an [m, k] x [k, n] product (packed oneDNN weight or ``F.linear``)."""
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    if packed:
+        wp = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        f = lambda: torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")  # noqa: E731
+    else:
+        f = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+    for _ in range(3):
+        f()
+    n_iter, t = 10, time.perf_counter()
+    for _ in range(n_iter):
+        f()
+    return 2 * m * k * n * n_iter / (time.perf_counter() - t) / 1e9
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="", help="HF folder; '' = SmolLM2-135M-Instruct")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--kv-len", type=int, default=200)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from arealite.utils.hf import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+              for v in ("plain", "packed", "packed+bmm")}
+    scheds = {v: _scheduler(m, args.rows, args.kv_len, v != "plain") for v, m in models.items()}
+    bmm_attention = kv_cache._decode_attention_cpu
+
+    def sdpa_attention(ctx, query, k_buf, v_buf, scaling):  # the server before issue 33
+        b, hq, _, d = query.shape
+        hkv = k_buf.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(b, hkv, hq // hkv, d), k_buf[:b, :, :ctx.kv_len],
+            v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask, scale=scaling)
+        return out.reshape(b, hq, 1, d).transpose(1, 2)
+
+    cfg = models["plain"].config
+    print(f"{path}: {args.rows} rows x ~{args.kv_len} cached tokens, {args.threads} threads, "
+          f"fp32, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    times = {v: [] for v in scheds}
+    for _ in range(args.reps):
+        for v, s in scheds.items():
+            kv_cache._decode_attention_cpu = bmm_attention if v == "packed+bmm" else sdpa_attention
+            times[v].append(_time_steps(s, args.steps))
+    kv_cache._decode_attention_cpu = bmm_attention
+    base = statistics.median(times["plain"])
+    for v, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {v:<11} {med * 1000:7.1f} ms/step  {args.rows / med:6.1f} tok/s  "
+              f"({base / med:.2f}x plain)")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    s = scheds["packed+bmm"]
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            s._decode_step()
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    groups: dict[str, float] = {}
+    for e in prof.key_averages():
+        groups[GROUPS.get(e.key, "other")] = groups.get(GROUPS.get(e.key, "other"), 0.0) + e.self_cpu_time_total
+    with torch.inference_mode():
+        logits = s._forward_decode()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            s._sample_and_append(s._rows, logits)
+        t_sample = (time.perf_counter() - t) / args.steps
+    print(f"  profile of packed+bmm, {args.steps} steps (self CPU time of the ops):")
+    for g in ("linear", "attention", "other"):
+        print(f"    {g:<10} {100 * groups.get(g, 0.0) / total:5.1f} %")
+    print(f"    sampling alone (one step, [{args.rows}, {cfg.vocab_size}] logits): {t_sample * 1000:.1f} ms")
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    for name, (m, k, n) in {"mlp up": (args.rows, h, i), "lm head": (args.rows, h, v),
+                            "square 2048": (2048, 2048, 2048)}.items():
+        print(f"  GEMM {name:<12} [{m}x{k}]x[{k}x{n}]: F.linear {_gemm_rate(m, k, n, torch.float32, False):6.1f}"
+              f"  packed {_gemm_rate(m, k, n, torch.float32, True):6.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

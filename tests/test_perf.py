@@ -1,0 +1,176 @@
+"""Issue 33's machinery: oneDNN packed linears and the CPU decode attention of the server (equal
+to the plain computation), sampling's past-the-end guard, model FLOP counting (hand-computed),
+the precision choice, and bf16 compute on CPU with fp32 logprobs and master weights."""
+
+import pytest
+import torch
+
+from arealite.server import kv_cache, packed_linear
+from arealite.server.sampling import _sample_rows
+from arealite.utils import perf
+
+pytestmark = pytest.mark.skipif(not packed_linear.available("cpu", torch.float32),
+                                reason="this torch has no oneDNN packed linear")
+
+
+def _tiny(tiny_model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+
+
+def test_packed_linears_equal_plain_and_follow_weight_changes(tiny_model_dir):
+    model, ref = _tiny(tiny_model_dir), _tiny(tiny_model_dir)
+    assert packed_linear.pack_linears(model) == 2 * 7 + 1  # q k v o gate up down per layer + head
+    ids = torch.tensor([[5, 17, 900, 3, 44, 2]])
+    with torch.inference_mode():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        # a weight written in place (as the server's loaders do) is repacked before use
+        for m in (model, ref):
+            m.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    # a write the version counter does not see (.data) needs invalidate(), which the scheduler
+    # calls after every weight load
+    for m in (model, ref):
+        m.model.layers[1].self_attn.q_proj.weight.data.mul_(-1.0)
+    with torch.inference_mode():
+        assert (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max() > 1e-2  # stale
+    packed_linear.invalidate(model)
+    with torch.inference_mode():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    out = model(input_ids=ids).logits  # grad mode: plain F.linear, gradients flow
+    assert out.requires_grad and (out - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_server_greedy_tokens_and_logprobs_match_unpacked():
+    from test_server_kv import _greedy, _model, _run
+
+    from arealite.server.scheduler import Scheduler
+
+    prompts = ([1, 2, 3, 4, 5], [9, 8, 7], list(range(1, 12)))
+    replies = {}
+    for packed in (True, False):
+        s = Scheduler(_model(), max_batch_size=4, use_packed_linear=packed)
+        assert bool(s.packed_linears) == packed
+        replies[packed] = _run(s, [(p, _greedy(12)) for p in prompts])
+    for a, b in zip(replies[True], replies[False]):
+        assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 12
+        lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-4
+
+
+def test_cpu_decode_attention_equals_sdpa_per_row():
+    g = torch.Generator().manual_seed(0)
+    b, hkv, grp, d, cap = 5, 2, 3, 16, 40
+    k_buf, v_buf = torch.randn(b + 2, hkv, cap, d, generator=g), torch.randn(b + 2, hkv, cap, d, generator=g)
+    query = torch.randn(b, hkv * grp, 1, d, generator=g)
+    pos = torch.tensor([3, 0, 17, 9, 25])
+    kv_len = int(pos.max()) + 1
+    mask = (torch.arange(kv_len)[None, :] <= pos[:, None])[:, None, None]
+    ctx = kv_cache._StepContext(None, pos=pos, kv_len=kv_len, mask=mask)
+    out = kv_cache._decode_attention_cpu(ctx, query, k_buf, v_buf, 0.25)  # [b, 1, Hq, D]
+    for r in range(b):  # row r attends to its own first pos[r] + 1 keys only
+        n = int(pos[r]) + 1
+        k = k_buf[r, :, :n].repeat_interleave(grp, 0)
+        v = v_buf[r, :, :n].repeat_interleave(grp, 0)
+        ref = torch.softmax(query[r, :, 0, None, :] @ k.transpose(1, 2) * 0.25, -1) @ v  # [Hq, 1, D]
+        assert torch.allclose(out[r, 0], ref[:, 0], atol=1e-6)
+
+
+def test_sample_rows_past_the_end_takes_the_last_index_with_weight(monkeypatch):
+    weights = torch.tensor([[1.0, 2.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 5.0, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda n, _, **kw: torch.ones(n, 1, dtype=kw["dtype"]))
+    assert _sample_rows(weights, None).tolist() == [1, 3, 1]  # u = total: past the end
+    monkeypatch.setattr(torch, "rand", lambda n, _, **kw: torch.full((n, 1), 0.5, dtype=kw["dtype"]))
+    # u = total / 2: first index whose cdf exceeds it (cdf 1,3 -> 1.5 -> index 1; 2 -> index 2)
+    assert _sample_rows(weights, None).tolist() == [1, 2, 1]
+
+
+def test_forward_flops_by_hand():
+    # 2·10·3 + 4·2·4·6 + 2·5·7·2
+    assert perf.forward_flops(10, 3, 6, 2, 4, head_positions=2, hidden=5, vocab=7) == 60 + 192 + 140
+    assert perf.causal_pairs(3) == 6 and perf.causal_pairs(2, prefix=4) == 2 * 4 + 3
+
+
+def test_engine_counts_model_flops_of_forward_and_train_batch(tiny_model_dir):
+    from test_prefix_sharing import _group_batch, _n_loss_tokens, _pg_loss
+
+    from arealite.api.config import OptimizerConfig, TrainEngineConfig
+    from arealite.train_engine.fsdp import FSDPEngine
+
+    engine = FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-4)), temperature=0.7)
+    engine.initialize(tiny_model_dir)
+    # tiny Llama: per layer q 64·64, k and v 64·32, o 64·64, gate/up/down 64·128, 2 norms of 64;
+    # 2 layers + the final norm; the tied embedding/LM head is not a per-token matmul
+    n_params = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192 + 128) + 64
+    assert engine._flop_shape == {"n_params": n_params, "n_layers": 2, "d_attn": 64, "hidden": 64,
+                                  "vocab": 49152}
+    # _group_batch, prompts shared: prompt 6 + suffixes 5,1,9,3 (24 tokens, 21 + 45+7+99+24 pairs),
+    # prompt 11 + 4,4,7 (26 tokens, 66 + 54+54+105 pairs), one row of 3+8 (11 tokens, 66 pairs);
+    # 40 positions predict a loss token (41 loss tokens, one masked out in the middle)
+    fwd = 2 * n_params * 61 + 4 * 2 * 64 * 541 + 2 * 64 * 49152 * 40
+    batch = _group_batch()
+    before = perf.FLOPS.total
+    engine.forward(batch)
+    assert perf.FLOPS.total - before == fwd
+    engine.train_batch(batch, _pg_loss, _n_loss_tokens)
+    assert perf.FLOPS.total - before == fwd + 3 * fwd  # forward, activation and weight gradients
+
+
+def test_precision_auto_follows_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(perf, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert perf.resolve_precision("auto", "cpu", "actor.mixed_precision") == "bf16"
+    monkeypatch.setattr(perf, "cpu_flags", lambda: {"avx2", "fma"})
+    assert perf.fast_bf16("cpu")[0] is False
+    assert perf.resolve_precision("auto", "cpu", "actor.mixed_precision") == "none"
+    assert perf.resolve_precision("bf16", "cpu", "actor.mixed_precision") == "bf16"  # explicit: kept
+    monkeypatch.setattr(perf, "cpu_flags", lambda: {"amx_bf16"})
+    assert perf.fast_bf16("cpu") == (True, "CPU has amx_bf16")
+
+
+def test_gemm_peak_is_measured_and_cached():
+    first = perf.gemm_peak(torch.float32, "cpu", size=256)
+    assert first > 0.1  # GFLOP/s; any CPU of this century
+    assert perf.gemm_peak(torch.float32, "cpu", size=256) == first
+
+
+def test_bf16_compute_on_cpu_keeps_fp32_logprobs_and_master_weights(tiny_model_dir):
+    from test_prefix_sharing import _group_batch, _n_loss_tokens, _pg_loss
+
+    from arealite.api.config import OptimizerConfig, TrainEngineConfig
+    from arealite.train_engine.fsdp import FSDPEngine
+
+    outs, params = {}, {}
+    for mp in ("none", "bf16"):
+        engine = FSDPEngine(TrainEngineConfig(mixed_precision=mp, optimizer=OptimizerConfig(lr=1e-3)),
+                            temperature=0.7)
+        engine.initialize(tiny_model_dir)
+        assert engine.precision == mp
+        batch = _group_batch()
+        outs[mp] = engine.forward(batch)
+        stats = engine.train_batch(batch, _pg_loss, _n_loss_tokens)
+        assert stats["skipped"] == 0 and stats["grad_norm"] > 0
+        params[mp] = {n: p.detach().full_tensor() for n, p in engine.model.named_parameters()}
+        assert all(p.dtype == torch.float32 for p in params[mp].values())  # fp32 master weights
+    assert outs["bf16"].dtype == torch.float32
+    mask = outs["none"] != 0
+    assert torch.equal(mask, outs["bf16"] != 0)
+    diff = (outs["bf16"] - outs["none"])[mask].abs()
+    assert 0 < diff.max() < 0.05  # bf16 rounding of a tiny model's activations, not garbage
+    moved = [(params["bf16"][n] - params["none"][n]).abs().max() for n in params["none"]]
+    assert max(moved) < 1e-3 * 5  # both took one AdamW step of lr 1e-3 in the same direction
+
+
+def test_lm_head_multiplies_bf16_inputs_in_fp32():
+    from arealite.train_engine.lm_head import chunked_logprobs_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, 32, generator=g).bfloat16(), torch.randn(100, 32, generator=g).bfloat16()
+    labels = torch.tensor([1, 5, 99, 0, 42, 7])
+    lp, _ = chunked_logprobs_entropy(h, w, labels, 1.0, chunk_size=4)
+    ref = torch.log_softmax(h.float() @ w.float().T, -1).gather(1, labels[:, None])[:, 0]
+    assert lp.dtype == torch.float32 and torch.allclose(lp, ref, atol=1e-5)
