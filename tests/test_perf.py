@@ -63,6 +63,18 @@ def test_server_greedy_tokens_and_logprobs_match_unpacked():
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-4
 
 
+def test_bf16_server_runs_with_or_without_packed_bf16_support():
+    from test_server_kv import _greedy, _model, _run
+
+    from arealite.server.scheduler import Scheduler
+
+    assert packed_linear.available("cpu", torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    s = Scheduler(_model().to(torch.bfloat16), max_batch_size=2)  # packs only where oneDNN can
+    assert bool(s.packed_linears) == packed_linear.available("cpu", torch.bfloat16)
+    reply = _run(s, [([1, 2, 3], _greedy(4))])[0]
+    assert len(reply["output_ids"]) == 4
+
+
 def test_cpu_decode_attention_equals_sdpa_per_row():
     g = torch.Generator().manual_seed(0)
     b, hkv, grp, d, cap = 5, 2, 3, 16, 40

@@ -27,12 +27,15 @@ PACK_BATCH_HINT = 32  # oneDNN picks the blocked layout for about this many rows
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when oneDNN's packed linear can run here: CPU, fp32 or bf16, a torch built with
-    oneDNN (``torch.backends.mkldnn``) that has the packed-linear ops."""
-    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """True when oneDNN's packed linear can run here: CPU, fp32 (or bf16 where oneDNN supports
+    it: not on an AVX2-only CPU), a torch built with oneDNN that has the packed-linear ops."""
+    ok = (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+          and torch.backends.mkldnn.is_available()
+          and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+          and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    if ok and dtype == torch.bfloat16:  # oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+        ok = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return ok
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
