@@ -2,14 +2,12 @@
 
 Builds :class:`arealite.server.scheduler.Scheduler` on the model with ``--rows`` running rows
 whose KV already holds ``--kv-len`` tokens, then times whole decode steps (forward of every
-row's last token + sampling + bookkeeping) for three variants, interleaved ``--reps`` times in
+row's last token + sampling + bookkeeping) for two variants, interleaved ``--reps`` times in
 one process (median reported):
 
-* ``plain``: ``F.linear`` (MKL) and CPU sdpa for the decode attention -- the server before
-  issue 33;
-* ``packed``: oneDNN pre-packed linear weights (:mod:`arealite.server.packed_linear`), sdpa;
-* ``packed+bmm``: packed linears and the three-matmul decode attention
-  (``kv_cache._decode_attention_cpu``) -- today's server.
+* ``plain``: ``F.linear`` (MKL) -- the server before issue 33 (``--no-packed-linear``);
+* ``packed``: oneDNN pre-packed linear weights (:mod:`arealite.server.packed_linear`) -- today's
+  server.
 
 Then one profile (``torch.profiler``) of today's server groups the step's CPU time into the
 linear layers, attention, sampling and the rest, and prints the GEMM rate of the step's linear
@@ -27,16 +25,13 @@ import time
 
 import torch
 
-from arealite.server import kv_cache
 from arealite.server.messages import Request
 from arealite.server.protocol import SamplingParams
 from arealite.server.scheduler import Scheduler
 
 GROUPS = {  # profiler op name -> group
     "mkldnn::_linear_pointwise": "linear", "aten::mm": "linear", "aten::addmm": "linear",
-    "aten::bmm": "attention", "aten::baddbmm": "attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-    "aten::_softmax": "attention",
 }
 
 
@@ -94,36 +89,24 @@ def main():
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-              for v in ("plain", "packed", "packed+bmm")}
+              for v in ("plain", "packed")}
     scheds = {v: _scheduler(m, args.rows, args.kv_len, v != "plain") for v, m in models.items()}
-    bmm_attention = kv_cache._decode_attention_cpu
-
-    def sdpa_attention(ctx, query, k_buf, v_buf, scaling):  # the server before issue 33
-        b, hq, _, d = query.shape
-        hkv = k_buf.shape[1]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.reshape(b, hkv, hq // hkv, d), k_buf[:b, :, :ctx.kv_len],
-            v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask, scale=scaling)
-        return out.reshape(b, hq, 1, d).transpose(1, 2)
-
     cfg = models["plain"].config
     print(f"{path}: {args.rows} rows x ~{args.kv_len} cached tokens, {args.threads} threads, "
           f"fp32, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     times = {v: [] for v in scheds}
     for _ in range(args.reps):
         for v, s in scheds.items():
-            kv_cache._decode_attention_cpu = bmm_attention if v == "packed+bmm" else sdpa_attention
             times[v].append(_time_steps(s, args.steps))
-    kv_cache._decode_attention_cpu = bmm_attention
     base = statistics.median(times["plain"])
     for v, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {v:<11} {med * 1000:7.1f} ms/step  {args.rows / med:6.1f} tok/s  "
+        print(f"  {v:<7} {med * 1000:7.1f} ms/step  {args.rows / med:6.1f} tok/s  "
               f"({base / med:.2f}x plain)")
 
     from torch.profiler import ProfilerActivity, profile
 
-    s = scheds["packed+bmm"]
+    s = scheds["packed"]
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             s._decode_step()
@@ -137,7 +120,7 @@ def main():
         for _ in range(args.steps):
             s._sample_and_append(s._rows, logits)
         t_sample = (time.perf_counter() - t) / args.steps
-    print(f"  profile of packed+bmm, {args.steps} steps (self CPU time of the ops):")
+    print(f"  profile of packed, {args.steps} steps (self CPU time of the ops):")
     for g in ("linear", "attention", "other"):
         print(f"    {g:<10} {100 * groups.get(g, 0.0) / total:5.1f} %")
     print(f"    sampling alone (one step, [{args.rows}, {cfg.vocab_size}] logits): {t_sample * 1000:.1f} ms")

@@ -34,6 +34,9 @@ def test_two_grpo_steps_on_two_ranks(tiny_model_dir, tmp_path, eta):
         assert s["rollout/staleness_max"] <= eta  # no trained token older than the bound
         assert s["rollout/dropped_stale"] == 0
         assert s["actor/n_microbatches"] >= 1
+        # model FLOPs of the step's forwards/backwards over the measured GEMM peak (arealite/utils/perf.py)
+        assert s["perf/model_tflops"] > 0 and s["perf/gemm_peak_tflops"] > 0
+        assert s["perf/mfu"] == pytest.approx(s["perf/tflops_per_s"] / s["perf/gemm_peak_tflops"], rel=1e-6)
         if s["rollout/reward"] == 0.0:  # a random model: all-equal groups → zero advantage → zero gradient
             assert s["actor/grad_norm"] == 0.0
     if eta == 0:  # synchronous: nothing of step 2 was generated before step 1's update finished

@@ -1,11 +1,11 @@
-"""Issue 33's machinery: oneDNN packed linears and the CPU decode attention of the server (equal
-to the plain computation), sampling's past-the-end guard, model FLOP counting (hand-computed),
+"""Issue 33's machinery: oneDNN packed linears of the server (equal to the plain computation),
+sampling's past-the-end guard, model FLOP counting (hand-computed),
 the precision choice, and bf16 compute on CPU with fp32 logprobs and master weights."""
 
 import pytest
 import torch
 
-from arealite.server import kv_cache, packed_linear
+from arealite.server import packed_linear
 from arealite.server.sampling import _sample_rows
 from arealite.utils import perf
 
@@ -73,24 +73,6 @@ def test_bf16_server_runs_with_or_without_packed_bf16_support():
     assert bool(s.packed_linears) == packed_linear.available("cpu", torch.bfloat16)
     reply = _run(s, [([1, 2, 3], _greedy(4))])[0]
     assert len(reply["output_ids"]) == 4
-
-
-def test_cpu_decode_attention_equals_sdpa_per_row():
-    g = torch.Generator().manual_seed(0)
-    b, hkv, grp, d, cap = 5, 2, 3, 16, 40
-    k_buf, v_buf = torch.randn(b + 2, hkv, cap, d, generator=g), torch.randn(b + 2, hkv, cap, d, generator=g)
-    query = torch.randn(b, hkv * grp, 1, d, generator=g)
-    pos = torch.tensor([3, 0, 17, 9, 25])
-    kv_len = int(pos.max()) + 1
-    mask = (torch.arange(kv_len)[None, :] <= pos[:, None])[:, None, None]
-    ctx = kv_cache._StepContext(None, pos=pos, kv_len=kv_len, mask=mask)
-    out = kv_cache._decode_attention_cpu(ctx, query, k_buf, v_buf, 0.25)  # [b, 1, Hq, D]
-    for r in range(b):  # row r attends to its own first pos[r] + 1 keys only
-        n = int(pos[r]) + 1
-        k = k_buf[r, :, :n].repeat_interleave(grp, 0)
-        v = v_buf[r, :, :n].repeat_interleave(grp, 0)
-        ref = torch.softmax(query[r, :, 0, None, :] @ k.transpose(1, 2) * 0.25, -1) @ v  # [Hq, 1, D]
-        assert torch.allclose(out[r, 0], ref[:, 0], atol=1e-6)
 
 
 def test_sample_rows_past_the_end_takes_the_last_index_with_weight(monkeypatch):

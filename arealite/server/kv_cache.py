@@ -192,7 +192,6 @@ class _StepContext:
     def __init__(self, cache: SlotKVCache, pos=None, kv_len: int = 0, mask=None, segments=()):
         self.cache, self.pos, self.kv_len, self.mask, self.segments = (
             cache, pos, kv_len, mask, segments)
-        self.additive = None  # decode on CPU: the additive form of ``mask``, built by layer 0
 
 
 _CONTEXT = threading.local()
@@ -241,12 +240,10 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         rows = torch.arange(b, device=query.device)
         k_buf[rows, :, ctx.pos] = key[:, :, 0]
         v_buf[rows, :, ctx.pos] = value[:, :, 0]
-        if query.device.type != "cpu":
-            q = query.reshape(b, hkv, hq // hkv, d)
-            out = sdpa(q, k_buf[:b, :, :ctx.kv_len], v_buf[:b, :, :ctx.kv_len],
-                       attn_mask=ctx.mask, scale=scaling)
-            return out.reshape(b, hq, 1, d).transpose(1, 2), None
-        return _decode_attention_cpu(ctx, query, k_buf, v_buf, scaling), None
+        q = query.reshape(b, hkv, hq // hkv, d)
+        out = sdpa(q, k_buf[:b, :, :ctx.kv_len], v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask,
+                   scale=scaling)
+        return out.reshape(b, hq, 1, d).transpose(1, 2), None
     out = torch.empty_like(query)
     gqa = query.shape[1] != key.shape[1]
     for row, start, off, n in ctx.segments:
@@ -261,29 +258,6 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
                       >= torch.arange(start + n, device=q.device)[None, :])
             out[:, :, off:off + n] = sdpa(q, k, v, attn_mask=causal, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2), None
-
-
-def _decode_attention_cpu(ctx: _StepContext, query, k_buf, v_buf, scaling):
-    """One decode step's attention on CPU as three batched matmuls (``baddbmm`` of the
-    additive length mask, ``softmax_``, ``bmm``) per (row, KV head), the ``Hq/Hkv`` query heads
-    of a KV head as one length-``Hq/Hkv`` query: the plain formula softmax(q·kᵀ·scale + mask)·v,
-    about half the time of CPU sdpa's flash kernel at these sizes (a few query rows over a few
-    hundred keys; ``benchmarks/server_profile.py``). The additive mask is built once per step
-    and shared by the layers. Returns ``[B, 1, Hq, D]``."""
-    b, hq, _, d = query.shape
-    hkv = k_buf.shape[1]
-    g = hq // hkv
-    if ctx.additive is None or ctx.additive.shape[1] != g:
-        add = torch.zeros(ctx.mask.shape, dtype=query.dtype, device=query.device)
-        add.masked_fill_(~ctx.mask, float("-inf"))  # [b, 1, 1, kv]
-        ctx.additive = add.expand(b, hkv, g, ctx.kv_len).reshape(b * hkv, g, ctx.kv_len)
-    q = query.reshape(b * hkv, g, d)
-    k = k_buf[:b, :, :ctx.kv_len].reshape(b * hkv, ctx.kv_len, d)  # a view: rows x heads merge
-    v = v_buf[:b, :, :ctx.kv_len].reshape(b * hkv, ctx.kv_len, d)
-    scale = scaling if scaling is not None else d ** -0.5
-    scores = torch.baddbmm(ctx.additive, q, k.transpose(1, 2), alpha=scale)  # [b·hkv, g, kv]
-    out = torch.bmm(torch.softmax(scores, dim=-1), v)  # [b·hkv, g, d]
-    return out.reshape(b, 1, hq, d)
 
 
 def register_attention():

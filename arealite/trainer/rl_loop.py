@@ -318,6 +318,20 @@ def step_stats(run: RLRun, batch: dict, version: int, times: tuple[float, float,
     return stats
 
 
+def _gemm_peak(run: RLRun) -> float:
+    """The denominator of ``perf/mfu`` [GFLOP/s]: the GEMM rate of the actor's compute dtype,
+    measured before any rollout runs beside it, at the most threads the trainer can use (with
+    core sharing its own plus the servers' while they idle), so MFU is never overstated."""
+    half = getattr(run.actor, "precision", "none") == "bf16" or run.config.actor.dtype == "bfloat16"
+    threads = torch.get_num_threads()
+    if run.cores is not None:
+        torch.set_num_threads(run.cores.base + run.cores.extra)
+    try:
+        return perf.gemm_peak(torch.bfloat16 if half else torch.float32, run.actor.device)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _mfu_stats(run: RLRun, train_s: float) -> dict[str, float]:
     """This rank's model FLOPs since the last step (:data:`arealite.utils.perf.FLOPS`: actor,
     reference, critic forwards and backwards), their rate over the update's ``train_s`` seconds,
@@ -465,9 +479,7 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
                 StatsLogger(config.output_dir, rank, config.total_train_steps, wandb, to_dict(config)),
                 recover_path=recover_path)
     run.cores = _core_sharing(run)
-    # The denominator of perf/mfu, measured before any rollout runs beside it.
-    half = getattr(actor, "precision", "none") == "bf16" or config.actor.dtype == "bfloat16"
-    run.gemm_peak_gflops = perf.gemm_peak(torch.bfloat16 if half else torch.float32, actor.device)
+    run.gemm_peak_gflops = _gemm_peak(run)
     run.evaluator = _background_evaluator(run, tokenizer)
     # Timeline (trace.json, arealite/utils/trace.py): this rank's spans, its servers' requests, the gate.
     run.tracer = trace.install(trace.Tracer("trainer", f"rank {rank}") if trace.enabled_by_env() else None)

@@ -78,14 +78,15 @@ def causal_pairs(length: int, prefix: int = 0) -> int:
 
 def gemm_peak(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 1536) -> float:
     """Measured GFLOP/s of a ``size``-square GEMM in ``dtype`` on ``device`` with this process's
-    current torch threads (best of 3 after a warm-up), cached per (device, dtype, threads)."""
+    current torch threads (best of 6 after a warm-up: other work only ever adds time), cached per
+    (device, dtype, threads)."""
     device = torch.device(device)
     key = (device.type, dtype, torch.get_num_threads())
     if key not in _PEAKS:
         a = torch.randn(size, size, dtype=dtype, device=device)
         b = torch.randn(size, size, dtype=dtype, device=device)
         best = float("inf")
-        for i in range(4):
+        for i in range(7):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
