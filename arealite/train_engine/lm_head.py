@@ -84,6 +84,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         g_lp = grad_logprobs.float()
+        w_mm = weight.float() if weight.dtype in _HALF else weight  # fp32 head for half inputs
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             if ctx.probs is not None:  # single chunk, probabilities kept from forward
@@ -97,8 +98,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if t != 1.0:
                 g.div_(t)
             if need_h:
-                w = weight.float() if weight.dtype in _HALF else weight
-                grad_h[s:e] = (g.to(w.dtype) @ w).to(hidden.dtype)
+                grad_h[s:e] = (g.to(w_mm.dtype) @ w_mm).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(g.t(), hidden[s:e].float())
             if need_b:
