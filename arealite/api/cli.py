@@ -203,6 +203,10 @@ def _check_inference(r: "InferenceEngineConfig", p: str) -> None:
         host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
         if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ConfigError(f"{p}addresses[{i}]", f"{addr!r} is not host:port (e.g. 127.0.0.1:30000)")
+    for i, arg in enumerate(r.server_args):
+        if not isinstance(arg, str) or arg.lstrip().startswith("["):
+            raise ConfigError(f"{p}server_args[{i}]", f"{arg!r} is not one launch flag: give the flags as separate "
+                              "items (YAML [\"--dtype\", \"auto\"]; CLI --rollout.server_args=--dtype auto)")
     _number(r, p, "weight_sync_bucket_mb", gt=0)
     _number(r, p, "weight_sync_timeout", gt=0)
     _number(r, p, "tp_size", integer=True, ge=1)

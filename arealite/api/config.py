@@ -114,7 +114,8 @@ class InferenceEngineConfig:
     weight_sync_bucket_mb: float = 256.0  # distributed: parameters per broadcast bucket [MiB]
     weight_sync_timeout: float = 600.0  # distributed: a hung server fails the push after this long, per bucket [s]
     tp_size: int = 1  # sglang/vllm: GPUs (tensor-parallel ranks) per server
-    server_args: list[str] = field(default_factory=list)  # sglang/vllm: extra launch flags, e.g. ["--mem-fraction-static", "0.8"]
+    server_args: list[str] = field(default_factory=list)  # extra server launch flags; YAML ["--mem-fraction-static", "0.8"], CLI --rollout.server_args=--mem-fraction-static 0.8
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"  # launched servers' weights and KV (local, vLLM-CPU; logprobs stay fp32); auto = bfloat16 where bf16 is fast (GPU, AVX-512 BF16/AMX CPU)
     n_servers: int = 1  # servers to launch when no addresses are given
     server_threads: int = 1  # torch threads per launched server process
     share_idle_cores: bool = True  # CPU trainer + launched servers: the trainer also uses the servers' threads while no request runs (arealite/trainer/cores.py)

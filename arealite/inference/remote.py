@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -112,19 +113,37 @@ def post_control(adapter, address: str, request: tuple[str, dict], timeout: floa
     return reply
 
 
-def wait_healthy(addresses: list[str], timeout: float, poll: float = 1.0) -> None:
+def wait_healthy(addresses: list[str], timeout: float, poll: float = 1.0,
+                 procs: list | None = None, logs: list[str] | None = None) -> None:
     """Poll ``GET /health`` on every server until all answer 200.
 
+    Args:
+        procs: the launched server processes (``subprocess.Popen``), one per address: a process
+            that exits before it is healthy (a bad flag, an import error, out of memory) fails the
+            wait at once instead of after ``timeout``.
+        logs: their log files, one per address: the error quotes each one's last lines.
+
     Raises:
+        RuntimeError: a launched server process exited before it was healthy (names its status,
+            log and last log lines).
         TimeoutError: a server is not healthy after ``timeout`` seconds (names it).
     """
     deadline = time.monotonic() + timeout
-    for addr in addresses:
+    for i, addr in enumerate(addresses):
         while True:
             try:
                 post_json(addr, "/health", timeout=5, retries=1, method="GET")
                 break
             except ServerError:
+                proc = procs[i] if procs else None
+                if proc is not None and proc.poll() is not None:
+                    log = logs[i] if logs else ""
+                    tail = ""
+                    if log and os.path.exists(log):
+                        with open(log, errors="replace") as f:
+                            tail = "".join(f.readlines()[-5:]).strip()
+                    raise RuntimeError(f"inference server {addr} exited with status {proc.returncode} before it "
+                                       f"was healthy; its log {log or '(none)'} ends with:\n{tail}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"inference server {addr} not healthy after {timeout} s; check its log "

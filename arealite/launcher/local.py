@@ -104,6 +104,8 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
                    host: str = "127.0.0.1") -> list[str]:
     """The argv of one server for ``config.backend`` on ``host:port`` (a cluster launcher passes
     the node's address; vLLM's dev endpoints are then reachable from the cluster network).
+    ``rollout.dtype`` goes to our server and to vLLM-CPU (``auto`` resolved here); SGLang and vLLM
+    on GPUs keep their own ``--dtype`` default (the model's), set through ``rollout.server_args``.
 
     Raises:
         ValueError: unknown backend.
@@ -114,7 +116,7 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
                 "--num-threads", str(config.server_threads),
                 "--max-batch-size", str(config.server_max_batch_size), "--seed", str(seed),
                 "--parent-pid", str(os.getpid()),  # no orphan server if the trainer is SIGKILLed
-                *config.server_args]
+                "--dtype", config.dtype, *config.server_args]
     if config.backend == "sglang":
         # Token ids in and out (no detokenizer), as AReaL runs it; per-server seed.
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, *host,
@@ -128,8 +130,13 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
                "--tensor-parallel-size", str(config.tp_size), "--seed", str(seed),
                "--logprobs-mode", "processed_logprobs", "--max-num-seqs", str(config.server_max_batch_size),
                "--worker-extension-cls", VLLMAdapter.worker_extension]
-        if not _visible_gpus():  # vLLM-CPU: fp32 like the trainer; CUDA graphs do not apply
-            cmd += ["--dtype", "float32", "--enforce-eager"]
+        if not _visible_gpus():  # vLLM-CPU: rollout.dtype (auto: bf16 where fast); CUDA graphs do not apply
+            dtype = config.dtype
+            if dtype == "auto":
+                from arealite.utils.perf import fast_bf16
+
+                dtype = "bfloat16" if fast_bf16("cpu")[0] else "float32"
+            cmd += ["--dtype", dtype, "--enforce-eager"]
         return cmd + list(config.server_args)
     raise ValueError(f"rollout.backend={config.backend!r}: use local, sglang or vllm")
 
@@ -270,7 +277,7 @@ class ServerSupervisor(threading.Thread):
         logger.error("server %s exited with code %s; restarting it (restart %d of at most %d)", addr,
                      rec.proc.returncode, rec.restarts, self.config.max_server_restarts)
         rec.proc = subprocess.Popen(rec.cmd, stdout=rec.log, stderr=subprocess.STDOUT, env=rec.env)
-        wait_healthy([addr], self.config.setup_timeout)
+        wait_healthy([addr], self.config.setup_timeout, procs=[rec.proc], logs=[getattr(rec.log, "name", "")])
         if catch_up(engine, addr, self.config):
             logger.warning("server %s restarted and caught up in %.1f s", addr, time.monotonic() - start)
 
@@ -443,6 +450,7 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
     Raises:
         ValueError: the backend's package is missing or there are too few GPUs (before
             anything is started).
+        RuntimeError: a server process exited before it was healthy (its log's last lines quoted).
         TimeoutError: a server did not become healthy within ``rollout.setup_timeout``
             (the processes are killed; see the server log).
     """
@@ -473,7 +481,8 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
 
     atexit.register(_kill)
     try:
-        wait_healthy(addresses, config.setup_timeout)
+        wait_healthy(addresses, config.setup_timeout, procs=procs,
+                     logs=[os.path.join(log_dir, f"server{i}.log") for i in range(len(procs))])
     except BaseException:
         _kill()
         raise
@@ -510,7 +519,7 @@ def launch_reward_server(model_path: str, log_dir: str, threads: int = 1, max_ba
     atexit.register(stop_processes, [proc])
     address = f"127.0.0.1:{port}"
     try:
-        wait_healthy([address], setup_timeout)
+        wait_healthy([address], setup_timeout, procs=[proc], logs=[os.path.join(log_dir, "reward_server.log")])
     except BaseException:
         stop_processes([proc])
         raise

@@ -115,8 +115,11 @@ class Scheduler:
     def _self_check(self):
         """Decode 3 tokens through the slot cache and compare with a plain forward, so that a
         model whose attention ignores transformers' ``AttentionInterface`` fails at start-up
-        instead of producing wrong logprobs."""
-        ids = [1, 2, 3]
+        instead of producing wrong logprobs. Ordinary token ids, not the first (special) ones:
+        a bf16 SmolLM2 amplifies its rounding on ``[1, 2, 3]`` to 7.5 of 31 in the logits (10.7
+        against fp32), on ``[100, 200, 300]`` to under 1."""
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        ids = [i % vocab for i in (100, 200, 300)]
         with torch.inference_mode():
             ref = self.model(input_ids=torch.tensor([ids], device=self.device),
                              use_cache=False).logits[0].float()
