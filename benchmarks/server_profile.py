@@ -15,6 +15,7 @@ layers against a large square GEMM of the same dtype and threads.
 
     python benchmarks/server_profile.py                      # SmolLM2-135M, 32 rows x 200 tokens, 2 threads
     python benchmarks/server_profile.py --rows 8 --kv-len 600
+    python benchmarks/server_profile.py --dtype bfloat16     # where the CPU has AVX-512 BF16 / AMX
 """
 
 from __future__ import annotations
@@ -81,19 +82,22 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's weights and KV (the server's --dtype)")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     from transformers import AutoModelForCausalLM
 
     from arealite.utils.hf import resolve_model_path
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
               for v in ("plain", "packed")}
     scheds = {v: _scheduler(m, args.rows, args.kv_len, v != "plain") for v, m in models.items()}
     cfg = models["plain"].config
     print(f"{path}: {args.rows} rows x ~{args.kv_len} cached tokens, {args.threads} threads, "
-          f"fp32, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+          f"{args.dtype}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     times = {v: [] for v in scheds}
     for _ in range(args.reps):
         for v, s in scheds.items():
@@ -127,8 +131,8 @@ def main():
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     for name, (m, k, n) in {"mlp up": (args.rows, h, i), "lm head": (args.rows, h, v),
                             "square 2048": (2048, 2048, 2048)}.items():
-        print(f"  GEMM {name:<12} [{m}x{k}]x[{k}x{n}]: F.linear {_gemm_rate(m, k, n, torch.float32, False):6.1f}"
-              f"  packed {_gemm_rate(m, k, n, torch.float32, True):6.1f} GFLOP/s")
+        print(f"  GEMM {name:<12} [{m}x{k}]x[{k}x{n}] {args.dtype}: F.linear {_gemm_rate(m, k, n, dtype, False):6.1f}"
+              f"  packed {_gemm_rate(m, k, n, dtype, True):6.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

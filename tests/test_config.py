@@ -22,6 +22,7 @@ def test_yaml_then_cli_overrides(tmp_path):
 def test_shipped_recipe_config_loads():
     cfg = load_config(GRPOConfig, ["--config", os.path.join(REPO_ROOT, "recipes", "configs", "grpo_math.yaml")])
     assert cfg.rollout.max_head_offpolicyness == 1 and cfg.train_dataset.path is None
+    assert cfg.actor.mixed_precision == "auto" and cfg.rollout.dtype == "auto"  # bf16 where fast, fp32 elsewhere
 
 
 def test_unknown_yaml_key_names_the_path(tmp_path):

