@@ -58,9 +58,19 @@ def test_pause_update_continue_keeps_every_request_and_tags_versions(engine, tin
         # ignore_eos is not in GenerationConfig: a random tiny model rarely emits EOS anyway.
         result["resps"] = _generate(engine, prompts, gconfig)
 
+    addr = engine.addresses[0]
+    steps0 = post_json(addr, "/get_server_info", timeout=5, retries=1, method="GET")["decode_steps"]
     t = threading.Thread(target=rollout)
     t.start()
-    time.sleep(1.0)  # requests are mid-generation
+    # Pause once every request is mid-generation: all 8 running and a few tokens decoded (a fixed
+    # 1 s sleep let all 300 tokens finish first on a fast machine, so no request spanned versions).
+    deadline = time.monotonic() + 60
+    while True:
+        info = post_json(addr, "/get_server_info", timeout=5, retries=1, method="GET")
+        if info["running_requests"] == len(prompts) and info["decode_steps"] >= steps0 + 5:
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.005)
     engine.pause_generation()  # aborted segments are resubmitted at once and held by the paused server
     engine.update_weights(WeightUpdateMeta(type="disk", path=new_weights, version=1))
     engine.continue_generation()
