@@ -58,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from train_throughput import make_model_dir  # noqa: E402  (random Llama folder + tokenizer)
+from generation_throughput import random_qwen  # noqa: E402  (random Qwen2 folder + tokenizer)
 from vs_trl import machine, monitored  # noqa: E402  (machine header; process-tree runner)
 
 # name: architecture, shape, nominal size [billions of parameters]
@@ -73,30 +74,12 @@ CURVES = {"size": ("model", "parameters (M)"), "group": ("group", "group size"),
           "length": ("response", "response tokens"), "ranks": ("ranks", "trainer ranks")}
 
 
-def save_qwen2(shape: dict, path: str) -> int:
-    """A random Qwen2ForCausalLM of ``shape`` (tied embeddings) with the SmolLM2 tokenizer (the
-    engine saves one) at ``path``; returns its parameter count. (``generation_throughput.random_qwen``
-    is fixed to the 0.5B shape.)"""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from arealite.utils.hf import default_model_path, load_tokenizer
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["kv_heads"], max_position_embeddings=32768, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(cfg)
-    model.save_pretrained(path)
-    load_tokenizer(default_model_path()).save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
-
-
 def build_model(name: str, path: str, tiny: bool) -> tuple[int, int]:
     """Write model ``name`` (tiny: :data:`TINY_SHAPE` in its architecture) to ``path``;
     returns (parameters, vocab)."""
     arch, shape, _ = MODELS[name]
     shape = TINY_SHAPE if tiny else shape
-    n = make_model_dir(SimpleNamespace(**shape), path) if arch == "llama" else save_qwen2(shape, path)
+    n = make_model_dir(SimpleNamespace(**shape), path) if arch == "llama" else random_qwen(path, shape)
     return n, shape["vocab"]
 
 
@@ -302,6 +285,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main() -> None:
+    """Measure (or, with ``--from-json``, reload) the curves; print them and write the JSON and plot."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--curves", type=lambda s: s.split(","), default=list(CURVES), help="size,group,length,ranks")

@@ -68,20 +68,26 @@ from arealite.api.io_struct import WeightUpdateMeta  # noqa: E402
 from arealite.inference.remote import RemoteInferenceEngine, wait_healthy  # noqa: E402
 
 
-def random_qwen(path: str) -> str:
-    """A randomly initialised model with Qwen2.5-0.5B's shape (tied embeddings), plus the
-    SmolLM2 tokenizer (only so that the trainer engine can save a complete HF folder)."""
+QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)
+
+
+def random_qwen(path: str, shape: dict = QWEN25_05B) -> int:
+    """A randomly initialised Qwen2 model of ``shape`` (default Qwen2.5-0.5B's; tied embeddings)
+    saved at ``path``, plus the SmolLM2 tokenizer (only so that the trainer engine can save a
+    complete HF folder). Returns its parameter count."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from arealite.utils.hf import default_model_path, load_tokenizer
 
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+    cfg = Qwen2Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                      num_key_value_heads=shape["kv_heads"], max_position_embeddings=32768,
                       tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
     load_tokenizer(default_model_path()).save_pretrained(path)
-    return path
+    return sum(p.numel() for p in model.parameters())
 
 
 def workload(args, vocab: int):
@@ -271,14 +277,14 @@ def main():
                    help="vllm: also run a vLLM server (AREALITE_VLLM_PYTHON) on the same workload")
     args = p.parse_args()
     if args.dtype == "auto":
-        from arealite.utils.perf import fast_bf16
+        from arealite.utils.perf import resolve_dtype
 
-        fast, why = fast_bf16(args.device)
-        args.dtype = "bfloat16" if fast else "float32"
+        args.dtype, why = resolve_dtype("auto", args.device)
         print(f"--dtype auto -> {args.dtype} ({why})", flush=True)
     args.workdir = tempfile.mkdtemp(prefix="genbench_")
     if args.model == "random-qwen2.5-0.5b":
-        model_path = random_qwen(os.path.join(args.workdir, "qwen"))
+        model_path = os.path.join(args.workdir, "qwen")
+        random_qwen(model_path)
     else:
         from arealite.utils.hf import resolve_model_path
 

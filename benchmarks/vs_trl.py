@@ -287,6 +287,8 @@ def run_arealite(system: str, args, spec: dict, root: str) -> dict:
 
 
 def run_worker(kind: str, python: str, spec: dict, root: str) -> dict:
+    """Run ``kind`` (``plain`` or ``trl``) as ``python vs_trl.py --worker`` on ``spec`` under
+    :func:`monitored`; its per-step records plus peak RSS, busy cores and mean completion length."""
     spec_path = os.path.join(root, f"{kind}_spec.json")
     result_path = os.path.join(root, f"{kind}_result.json")
     with open(spec_path, "w") as f:
@@ -331,6 +333,7 @@ def machine() -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run every system on every prompt set ``--repeats`` times; print the tables and ratios."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="steps per system (medians over steps 2..N)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")

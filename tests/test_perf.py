@@ -144,7 +144,10 @@ def test_precision_auto_follows_the_cpu_flags(monkeypatch):
     assert perf.fast_bf16("cpu")[0] is False
     assert perf.resolve_precision("auto", "cpu", "actor.mixed_precision") == "none"
     assert perf.resolve_precision("bf16", "cpu", "actor.mixed_precision") == "bf16"  # explicit: kept
+    assert perf.resolve_dtype("auto", "cpu") == ("float32", perf.fast_bf16("cpu")[1])  # the server's --dtype auto
+    assert perf.resolve_dtype("bfloat16", "cpu") == ("bfloat16", "asked for")
     monkeypatch.setattr(perf, "cpu_flags", lambda: {"amx_bf16"})
+    assert perf.resolve_dtype("auto", "cpu")[0] == "bfloat16"
     assert perf.fast_bf16("cpu") == (True, "CPU has amx_bf16")
 
 

@@ -131,12 +131,9 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
                "--logprobs-mode", "processed_logprobs", "--max-num-seqs", str(config.server_max_batch_size),
                "--worker-extension-cls", VLLMAdapter.worker_extension]
         if not _visible_gpus():  # vLLM-CPU: rollout.dtype (auto: bf16 where fast); CUDA graphs do not apply
-            dtype = config.dtype
-            if dtype == "auto":
-                from arealite.utils.perf import fast_bf16
+            from arealite.utils.perf import resolve_dtype
 
-                dtype = "bfloat16" if fast_bf16("cpu")[0] else "float32"
-            cmd += ["--dtype", dtype, "--enforce-eager"]
+            cmd += ["--dtype", resolve_dtype(config.dtype, "cpu")[0], "--enforce-eager"]
         return cmd + list(config.server_args)
     raise ValueError(f"rollout.backend={config.backend!r}: use local, sglang or vllm")
 

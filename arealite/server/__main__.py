@@ -64,10 +64,9 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     if args.dtype == "auto":
-        from arealite.utils.perf import fast_bf16
+        from arealite.utils.perf import resolve_dtype
 
-        fast, why = fast_bf16(args.device)
-        args.dtype = "bfloat16" if fast else "float32"
+        args.dtype, why = resolve_dtype("auto", args.device)
         logger.info("--dtype auto -> %s (%s)", args.dtype, why)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
     model.to(args.device).eval()

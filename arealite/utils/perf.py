@@ -11,7 +11,7 @@
   peak).
 * :data:`FLOPS`: the model FLOPs this process's train engines ran (``FSDPEngine`` adds to it;
   the RL loop logs ``perf/model_tflops`` and ``perf/mfu`` per step from its increase).
-* :func:`fast_bf16` / :func:`resolve_precision`: bf16 compute where the hardware multiplies
+* :func:`fast_bf16` / :func:`resolve_precision` / :func:`resolve_dtype`: bf16 compute where the hardware multiplies
   bf16 fast (a GPU; a CPU with AVX-512 BF16 or AMX), fp32 elsewhere (on an AVX2-only CPU bf16
   GEMM is ~7x *slower* than fp32: ``benchmarks/server_profile.py``).
 """
@@ -123,6 +123,15 @@ def fast_bf16(device: torch.device | str) -> tuple[bool, str]:
     if flags:
         return True, "CPU has " + " and ".join(sorted(flags))
     return False, "CPU has no avx512_bf16 / amx_bf16 (bf16 GEMM is slower than fp32 here)"
+
+
+def resolve_dtype(requested: str, device: torch.device | str) -> tuple[str, str]:
+    """A server's weight dtype name: ``"auto"`` -> ``"bfloat16"`` where :func:`fast_bf16` holds,
+    else ``"float32"``; any other name is returned unchanged. Returns ``(dtype, reason)``."""
+    if requested != "auto":
+        return requested, "asked for"
+    ok, why = fast_bf16(device)
+    return ("bfloat16" if ok else "float32"), why
 
 
 def resolve_precision(requested: str, device: torch.device | str, what: str) -> str:
