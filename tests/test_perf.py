@@ -45,6 +45,36 @@ def test_packed_linears_equal_plain_and_follow_weight_changes(tiny_model_dir):
     assert out.requires_grad and (out - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def test_row_bucket_pads_at_most_one_eighth_and_bounds_the_row_counts():
+    assert [packed_linear.row_bucket(m) for m in (1, 7, 16, 17, 18, 19, 33, 100, 1000, 1024, 1025)] == \
+        [1, 7, 16, 18, 18, 20, 36, 104, 1024, 1024, 1152]
+    buckets = {packed_linear.row_bucket(m) for m in range(1, 1025)}
+    assert len(buckets) == 16 + 6 * 8  # exact up to 16, then 8 per octave
+    assert all(m <= packed_linear.row_bucket(m) <= m * 1.125 for m in range(1, 5000))
+
+
+def test_packed_forward_pads_rows_to_buckets_and_slices_them_off(monkeypatch):
+    """The server's memory fix: oneDNN sees only bucketed row counts (a primitive per count is
+    kept in its caches, 0.6-1 MiB each), and the padded rows never reach the output."""
+    torch.manual_seed(0)
+    lin, ref = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96)
+    ref.load_state_dict(lin.state_dict())
+    packed_linear.pack_linears(lin)
+    seen, real = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    with torch.inference_mode():
+        for shape in [(17, 64), (1, 33, 64), (100, 1, 64), (3, 5, 64), (1, 1000, 64)]:
+            x = torch.randn(shape)
+            got, want = lin(x), ref(x)
+            assert got.shape == want.shape == (*shape[:-1], 96)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert seen == [18, 36, 104, 15, 1024]
+    with torch.inference_mode():
+        for m in range(1, 300):
+            lin(torch.randn(m, 64))
+    assert len(set(seen)) <= 16 + 5 * 8  # 299 row counts ran as at most 56 primitives
+
+
 def test_server_greedy_tokens_and_logprobs_match_unpacked():
     from test_server_kv import _greedy, _model, _run
 

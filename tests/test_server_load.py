@@ -1,7 +1,7 @@
 """Bounded load drill of the generation server on loopback (benchmarks/server_load.py prints the
 same figures at a larger size): concurrent /generate requests with random client aborts and
 pause/continue pairs. No request is lost, the server is idle and healthy afterwards, and its
-resident memory after a second identical round is within MEMORY_BOUND_MIB of the first's."""
+resident memory after two more identical rounds is within MEMORY_BOUND_MIB of the first's."""
 
 import importlib.util
 import json
@@ -37,11 +37,14 @@ def test_concurrent_requests_with_aborts_and_pauses_lose_nothing(server):
     assert r["client_aborts"] > 0 and r["pause_aborts"] > 0, r  # both fault kinds happened
     assert r["running_after"] == 0 and r["waiting_after"] == 0  # every aborted row was freed
     assert 0 < r["p50_latency_s"] <= r["p99_latency_s"]
-    # memory: the first load may raise the allocator's high-water mark (seen: +94 MiB once under CI
-    # load); a per-request leak grows again in a second, identical round, which must stay in bounds
-    again = server_load.run_load(addr, proc.pid, n_requests=150, concurrency=48, abort_frac=0.25, n_pauses=3,
-                                 max_new_tokens=(4, 32), seed=3, warmup_requests=0)
-    assert again["lost"] == 0 and again["errors"] == 0, again
+    # memory: the first rounds may raise the allocator's high-water mark and build oneDNN's
+    # primitives for new row buckets; a per-request leak grows again in every later, identical
+    # round. Two more rounds must stay in bounds (before the server bucketed its packed-GEMM row
+    # counts and trimmed the heap when idle, they grew 110 MiB here and 79 MiB once in CI).
+    for _ in range(2):
+        again = server_load.run_load(addr, proc.pid, n_requests=150, concurrency=48, abort_frac=0.25,
+                                     n_pauses=3, max_new_tokens=(4, 32), seed=3, warmup_requests=0)
+        assert again["lost"] == 0 and again["errors"] == 0, again
     assert again["rss_after_mib"] - r["rss_after_mib"] < MEMORY_BOUND_MIB, (r, again)
     # still serving normally: a greedy request gets its full budget
     body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "temperature": 0.0,
