@@ -49,17 +49,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    """Load the model, start the scheduler thread and serve HTTP until interrupted."""
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if not args.access_log:
-        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+def build_scheduler(args) -> Scheduler:
+    """Load the model (and its tokenizer, when the folder has one) and build the scheduler,
+    whose constructor packs the linear weights and runs the start-up self-check."""
     torch.set_num_threads(args.num_threads)
-    if args.parent_pid:
-        from arealite.utils.proc import exit_when_parent_dies
-
-        exit_when_parent_dies(args.parent_pid)
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM
 
@@ -76,9 +69,27 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     except Exception:  # noqa: BLE001 - token ids only; stop strings are then rejected
         tokenizer = None
-    scheduler = Scheduler(model, args.max_batch_size, args.seed, args.weight_version, tokenizer,
-                          args.max_prefill_tokens, args.prefix_cache_tokens,
-                          use_packed_linear=not args.no_packed_linear)
+    return Scheduler(model, args.max_batch_size, args.seed, args.weight_version, tokenizer,
+                     args.max_prefill_tokens, args.prefix_cache_tokens,
+                     use_packed_linear=not args.no_packed_linear)
+
+
+def main(argv=None):
+    """Load the model, start the scheduler thread and serve HTTP until interrupted."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not args.access_log:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    torch.set_num_threads(args.num_threads)
+    if args.parent_pid:
+        from arealite.utils.proc import exit_when_parent_dies
+
+        exit_when_parent_dies(args.parent_pid)
+    from arealite.utils.proc import run_in_short_lived_thread
+
+    # every torch op of the start-up off the main thread: the scheduler thread is then the only
+    # one with a libgomp pool, whose workers spin between ops (run_in_short_lived_thread)
+    scheduler = run_in_short_lived_thread(build_scheduler, args)
     server = Server(scheduler, args.model_path)
     logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     # handler_cancellation: a client that disconnects (e.g. timed out and moved to another
