@@ -136,4 +136,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from arealite.utils.proc import run_in_short_lived_thread
+
+    # as in the server (arealite/server/__main__.py): all torch work in one non-main thread, the
+    # process's only libgomp pool, allocating from a per-thread glibc arena
+    run_in_short_lived_thread(main)

@@ -136,6 +136,30 @@ def test_sample_rows_past_the_end_takes_the_last_index_with_weight(monkeypatch):
     assert _sample_rows(weights, None).tolist() == [1, 2, 1]
 
 
+def test_two_level_sampling_equals_one_inverse_cdf_over_the_whole_row():
+    """Integer weights (exact sums in fp32): for the same u, the block-then-entry pick equals
+    searchsorted(cumsum(w), u * total) over the whole row, on a vocabulary that is not a multiple
+    of the block (a short last block), with zero-weight entries and whole zero-weight blocks."""
+    from arealite.server.sampling import BLOCK
+
+    g = torch.Generator().manual_seed(0)
+    v = 3 * BLOCK + 37
+    weights = torch.randint(0, 4, (512, v), generator=g).float()
+    weights[:, BLOCK:2 * BLOCK] = 0  # a zero block in every row
+    weights[::3, 3 * BLOCK:] = 0  # and a zero short block in some
+    weights[5] = 0
+    weights[5, 7] = 2.0  # a single entry with weight
+    state = g.get_state()
+    got = _sample_rows(weights, g)
+    g.set_state(state)
+    cdf = weights.cumsum(-1)
+    u = torch.rand(512, 1, generator=g, dtype=cdf.dtype) * cdf[:, -1:]
+    want = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    assert torch.equal(got, want)
+    assert bool((weights.gather(1, got[:, None]) > 0).all()) and got[5] == 7
+    assert not bool(((got >= BLOCK) & (got < 2 * BLOCK)).any())
+
+
 def test_forward_flops_by_hand():
     # 2·10·3 + 4·2·4·6 + 2·5·7·2
     assert perf.forward_flops(10, 3, 6, 2, 4, head_positions=2, hidden=5, vocab=7) == 60 + 192 + 140
