@@ -45,6 +45,24 @@ def test_packed_linears_equal_plain_and_follow_weight_changes(tiny_model_dir):
     assert out.requires_grad and (out - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def test_fused_siblings_run_one_gemm_per_group_and_equal_plain(tiny_model_dir, monkeypatch):
+    """q/k/v and gate/up of each layer share one packed GEMM (4 calls per layer instead of 7,
+    plus the head), with the same logits as the unpacked model; a grad-mode call is plain."""
+    model, ref = _tiny(tiny_model_dir), _tiny(tiny_model_dir)
+    assert packed_linear.pack_linears(model) == 2 * 7 + 1
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj._arealite_group is attn.v_proj._arealite_group
+    calls, real = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    ids = torch.tensor([[5, 17, 900, 3, 44, 2], [7, 7, 7, 8, 9, 10]])
+    with torch.inference_mode():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert len(calls) == 2 * 4 + 1
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    x = torch.randn(3, attn.q_proj.in_features, requires_grad=True)
+    assert attn.k_proj(x).requires_grad and len(calls) == 9  # autograd: F.linear, no oneDNN call
+
+
 def test_row_bucket_pads_at_most_one_eighth_and_bounds_the_row_counts():
     assert [packed_linear.row_bucket(m) for m in (1, 7, 16, 17, 18, 19, 33, 100, 1000, 1024, 1025)] == \
         [1, 7, 16, 18, 18, 20, 36, 104, 1024, 1024, 1152]

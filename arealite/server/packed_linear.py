@@ -68,32 +68,113 @@ def _pack(module: torch.nn.Linear) -> None:
         module._arealite_stamp = _stamp(module.weight)
 
 
-def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` on the packed weight; ``x`` ``[..., in]`` -> ``[..., out]``.
-    Falls back to ``F.linear`` when autograd needs the weight's gradient or ``x`` is not a
-    plain tensor of the weight's dtype."""
+def _needs_plain(module: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """Autograd needs the weight's gradient, or ``x`` is not a plain CPU tensor of its dtype."""
     w = module.weight
-    if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.dtype != w.dtype \
-            or x.layout != torch.strided or x.device.type != "cpu":
-        return torch.nn.functional.linear(x, w, module.bias)
-    if module._arealite_stamp != _stamp(w):
-        _pack(module)
+    return ((torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.dtype != w.dtype
+            or x.layout != torch.strided or x.device.type != "cpu")
+
+
+def _linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[..., in]`` times a packed weight -> ``[..., out]``, the rows padded with zeros
+    to :func:`row_bucket` (one oneDNN primitive per bucket, not per row count: module
+    docstring) and sliced off again."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     padded = row_bucket(m)
-    if padded != m:  # zero rows: one new primitive per bucket, not per row count (module docstring)
+    if padded != m:
         rows = torch.cat([rows, rows.new_zeros(padded - m, k)])
-    y = torch.ops.mkldnn._linear_pointwise(rows, module._arealite_packed, module.bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return y[:m].reshape(*lead, y.shape[-1])
 
 
+def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the packed weight; ``x`` ``[..., in]`` -> ``[..., out]``.
+    Falls back to ``F.linear`` when autograd needs the weight's gradient or ``x`` is not a
+    plain tensor of the weight's dtype."""
+    if _needs_plain(module, x):
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    if module._arealite_stamp != _stamp(module.weight):
+        _pack(module)
+    return _linear_rows(x, module._arealite_packed, module.bias)
+
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings fed the same input
+
+
+class _FusedGroup:
+    """Sibling linears that the model calls one after another on the same input (a decoder
+    layer's q/k/v projections, its MLP's gate/up): one packed GEMM against their concatenated
+    weights computes all their outputs at the first member's call, the other members get their
+    column slice of it. Fewer, larger GEMMs: 4 instead of 7 per Llama layer (SmolLM2-135M bf16,
+    2 threads: decode step 60 -> 56 ms at 32 rows, 28 -> 26 ms at 8)."""
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        self.members = members
+        self.sizes = [m.out_features for m in members]
+        self.stamps = None
+        self.packed = self.bias = None
+        self.input = self.outputs = None
+
+    def pack(self) -> None:
+        with torch.no_grad():
+            w = torch.cat([m.weight.detach() for m in self.members])
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+            bias = [m.bias for m in self.members]
+            self.bias = None if bias[0] is None else torch.cat([b.detach() for b in bias])
+        self.stamps = [_stamp(m.weight) for m in self.members]
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s output for ``x``: computed for all members unless ``x`` is the
+        very tensor of the last computation (held here, so its id is not reused; outside
+        inference mode also unmodified since) and no member's weight changed since."""
+        version = 0 if x.is_inference() else x._version  # inference tensors have no counter
+        if self.stamps != [_stamp(m.weight) for m in self.members]:
+            self.pack()
+            self.input = None
+        if self.input is None or self.input[0] is not x or self.input[1] != version:
+            self.outputs = _linear_rows(x, self.packed, self.bias).split(self.sizes, dim=-1)
+            self.input = (x, version)
+        return self.outputs[index]
+
+    def forget(self) -> None:
+        """Drop the held input/outputs and mark the packed weight stale."""
+        self.input = self.outputs = None
+        self.stamps = None
+
+
+def _fused_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _needs_plain(module, x):
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    return module._arealite_group.output(module._arealite_group_index, x)
+
+
+def _fusable(members) -> bool:
+    first = members[0]
+    return all(type(m) is torch.nn.Linear and m.in_features == first.in_features
+               and m.weight.dtype == first.weight.dtype and (m.bias is None) == (first.bias is None)
+               for m in members)
+
+
 def pack_linears(model: torch.nn.Module) -> int:
-    """Give every ``nn.Linear`` of ``model`` a packed weight and the packed forward; returns how
-    many. Call only where :func:`available` is True."""
-    n = 0
+    """Give every ``nn.Linear`` of ``model`` a packed weight and the packed forward (siblings
+    named in :data:`FUSED_GROUPS` one packed weight per group, :class:`_FusedGroup`); returns how
+    many linears now run packed. Call only where :func:`available` is True."""
+    fused = set()
+    for parent in model.modules():
+        for names in FUSED_GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if all(isinstance(m, torch.nn.Module) for m in members) and _fusable(members):
+                group = _FusedGroup(members)
+                group.pack()
+                for i, m in enumerate(members):
+                    m._arealite_group, m._arealite_group_index = group, i
+                    m.forward = types.MethodType(_fused_forward, m)
+                    fused.add(m)
+    n = len(fused)
     for module in model.modules():
-        if type(module) is torch.nn.Linear:  # not PEFT/quantised subclasses
+        if type(module) is torch.nn.Linear and module not in fused:  # not PEFT/quantised subclasses
             _pack(module)
             module.forward = types.MethodType(_packed_forward, module)
             n += 1
@@ -107,3 +188,5 @@ def invalidate(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "_arealite_packed"):
             module._arealite_stamp = None
+        if hasattr(module, "_arealite_group"):
+            module._arealite_group.forget()
