@@ -19,7 +19,10 @@ top-k/top-p) for:
   requests as token ids on ``/v1/completions``; weight-update latency is then measured on both
   servers.
 
-tokens/s = useful generated tokens / wall time.
+tokens/s = useful generated tokens / wall time. With ``--repeats R`` the servers run R workloads
+of the same shape (seeds ``--seed`` .. ``--seed + R - 1``: fresh prompts each time, so no run
+reuses another's cached prefixes), each system all R in a row; every run's tokens/s is printed
+and the speed-ups are ratios of the medians (the HF baselines run the first workload only).
 
 With ``--turns T`` every request is an episode of T turns: turn t+1's prompt is turn t's prompt +
 its output + ``--feedback-len`` random "environment" tokens (the same output length each turn).
@@ -51,6 +54,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,9 +94,9 @@ def random_qwen(path: str, shape: dict = QWEN25_05B) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def workload(args, vocab: int):
+def workload(args, vocab: int, seed: int):
     """``[(prompt token ids, output length)]``: ``group_size`` consecutive requests per prompt."""
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     reqs = []
     for _ in range(args.prompts):
         prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(*args.prompt_len))]
@@ -273,6 +277,7 @@ def main():
     p.add_argument("--feedback-len", type=int, default=16, help="environment tokens between turns")
     p.add_argument("--skip-weight-update", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="workloads per server (see the docstring)")
     p.add_argument("--backend", default="local", choices=["local", "vllm"],
                    help="vllm: also run a vLLM server (AREALITE_VLLM_PYTHON) on the same workload")
     args = p.parse_args()
@@ -291,7 +296,8 @@ def main():
         model_path = resolve_model_path(args.model)
     with open(os.path.join(model_path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    reqs = workload(args, vocab)
+    loads = [workload(args, vocab, args.seed + r) for r in range(args.repeats)]
+    reqs = loads[0]
     useful = sum(n for _, n in reqs) * args.turns
     print(f"model {model_path} on {args.device} ({args.dtype}, {args.threads} threads); {args.prompts} prompts x "
           f"{args.group_size} samples = {len(reqs)} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, "
@@ -300,7 +306,7 @@ def main():
 
     proc, addr = start_server(args, model_path)
     try:
-        times = {}
+        rates = {}  # name -> tokens/s of each run
         for name, flags in [("server", ())] + [("server-no-prefix-store", ("--prefix-cache-tokens", "0"))] * (
                 args.turns > 1):
             if flags:
@@ -309,11 +315,12 @@ def main():
                 proc, addr = start_server(args, model_path, *flags)
             asyncio.run(_server_run(addr, [(reqs[0][0][:8], 2)], args))  # warm-up
             before = _get_json(addr, "/get_server_info")
-            times[name] = asyncio.run(_server_run(addr, reqs, args))
+            rates[name] = [sum(n for _, n in load) * args.turns / asyncio.run(_server_run(addr, load, args))
+                           for load in loads]
             after = _get_json(addr, "/get_server_info")
             print(f"  {name}: " + ", ".join(f"{k} {after[k] - before[k]}" for k in (
                 "prefill_tokens", "shared_prefix_tokens", "cached_prefix_tokens", "decode_steps")), flush=True)
-        times.update(hf_runs(args, model_path, reqs))
+        rates.update({name: [useful / t] for name, t in hf_runs(args, model_path, reqs).items()})
         actor = None
         if not args.skip_weight_update:
             lat = {"server": weight_update_latency(args, model_path, addr)}
@@ -325,13 +332,16 @@ def main():
             proc, addr = start_vllm(args, model_path)
             print(f"  vllm: ready in {time.perf_counter() - t0:.0f} s", flush=True)
             asyncio.run(_server_run(addr, [(reqs[0][0][:8], 2)], args, "vllm"))  # warm-up
-            times["vllm"] = asyncio.run(_server_run(addr, reqs, args, "vllm"))
+            rates["vllm"] = [sum(n for _, n in load) * args.turns / asyncio.run(_server_run(addr, load, args, "vllm"))
+                             for load in loads]
             if not args.skip_weight_update:
                 lat["vllm"] = weight_update_latency(args, model_path, addr, "vllm", actor)
                 lat["vllm"].pop("actor")
-        for name, t in times.items():
-            print(f"  {name:22s} {t:8.2f} s  {useful / t:9.1f} tokens/s  "
-                  f"(server speed-up {t / times['server']:.2f}x)", flush=True)
+        ours = statistics.median(rates["server"])
+        for name, rs in rates.items():
+            runs = f"  (runs: {', '.join(f'{r:.1f}' for r in rs)})" if len(rs) > 1 else ""
+            print(f"  {name:22s} {statistics.median(rs):9.1f} tokens/s  "
+                  f"(server speed-up {ours / statistics.median(rs):.2f}x){runs}", flush=True)
         if not args.skip_weight_update:
             for server_name, rows in lat.items():
                 print(f"weight update of {rows.pop('model_MiB'):.0f} MiB to {server_name} (pause + push + load + "

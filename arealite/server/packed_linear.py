@@ -116,6 +116,7 @@ class _FusedGroup:
         self.stamps = None
         self.packed = self.bias = None
         self.input = self.outputs = None
+        self.pending: set[int] = set()
 
     def pack(self) -> None:
         with torch.no_grad():
@@ -128,19 +129,26 @@ class _FusedGroup:
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output for ``x``: computed for all members unless ``x`` is the
         very tensor of the last computation (held here, so its id is not reused; outside
-        inference mode also unmodified since) and no member's weight changed since."""
+        inference mode also unmodified since), that computation's output for ``index`` was not
+        taken yet and no member's weight changed since. Once every member took its output the
+        input and outputs are released."""
         version = 0 if x.is_inference() else x._version  # inference tensors have no counter
         if self.stamps != [_stamp(m.weight) for m in self.members]:
             self.pack()
             self.input = None
-        if self.input is None or self.input[0] is not x or self.input[1] != version:
+        if self.input is None or self.input[0] is not x or self.input[1] != version or index not in self.pending:
             self.outputs = _linear_rows(x, self.packed, self.bias).split(self.sizes, dim=-1)
-            self.input = (x, version)
-        return self.outputs[index]
+            self.input, self.pending = (x, version), set(range(len(self.members)))
+        out = self.outputs[index]
+        self.pending.discard(index)
+        if not self.pending:  # every member has its output: hold no activations until the next call
+            self.input = self.outputs = None
+        return out
 
     def forget(self) -> None:
         """Drop the held input/outputs and mark the packed weight stale."""
         self.input = self.outputs = None
+        self.pending = set()
         self.stamps = None
 
 
