@@ -53,7 +53,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,7 @@ sys.path.insert(0, ROOT)
 from arealite.api.config import InferenceEngineConfig, TrainEngineConfig  # noqa: E402
 from arealite.api.io_struct import WeightUpdateMeta  # noqa: E402
 from arealite.inference.remote import RemoteInferenceEngine, wait_healthy  # noqa: E402
+from arealite.utils.proc import free_port  # noqa: E402
 
 
 QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)
@@ -104,14 +104,10 @@ def workload(args, vocab: int, seed: int):
     return reqs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args, model_path: str, *extra: str):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "arealite.server", "--model-path", model_path, "--port", str(port),
            "--num-threads", str(args.threads), "--dtype", args.dtype, "--device", args.device,
            "--max-batch-size", str(args.prompts * args.group_size), *extra]
@@ -127,7 +123,7 @@ def start_vllm(args, model_path: str):
     """A vLLM server on ``model_path`` as our launcher starts it; ``(process, address)``."""
     from arealite.launcher.local import server_command, server_env
 
-    port = _free_port()
+    port = free_port()
     cfg = InferenceEngineConfig(backend="vllm", server_max_batch_size=args.prompts * args.group_size,
                                 server_threads=args.threads, dtype=args.dtype)
     cmd = server_command(cfg, model_path, port, seed=args.seed)

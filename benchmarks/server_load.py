@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ import time
 import urllib.request
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from arealite.utils.proc import free_port  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -39,10 +41,6 @@ def rss_mib(pid: int) -> float:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model_path: str, log_path: str, extra: list[str] | None = None,
@@ -50,7 +48,7 @@ def start_server(model_path: str, log_path: str, extra: list[str] | None = None,
     """Start the server on a free loopback port; return (process, "127.0.0.1:port") once healthy.
 
     Raises: RuntimeError if it exits or is not healthy after ``timeout`` s (see ``log_path``)."""
-    port = _free_port()
+    port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "arealite.server", "--model-path", model_path,
                              "--host", "127.0.0.1", "--port", str(port), *(extra or [])],
