@@ -80,7 +80,6 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not args.access_log:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    torch.set_num_threads(args.num_threads)
     if args.parent_pid:
         from arealite.utils.proc import exit_when_parent_dies
 

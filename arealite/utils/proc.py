@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -124,13 +125,20 @@ def return_free_heap_to_os() -> bool:
     point). A trim costs about 1 ms after heavy churn and 15 µs when there is nothing to return;
     call it where the process has just freed a batch's memory and waits for work.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # musl, macOS, Windows: no malloc_trim
+    trim = _malloc_trim()
+    if trim is None:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once; None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def run_in_short_lived_thread(fn: Callable[..., T], *args, **kwargs) -> T:
