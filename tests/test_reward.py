@@ -323,13 +323,11 @@ def test_worker_memory_leak_across_calls_is_bounded_by_a_fresh_pool():
 
     with RewardWorker(timeout=30, max_memory_mb=300) as w:
         out = [w.compute(leak_memory, 64) for _ in range(12)]
-        # Under load the pool may report the watchdog's kill as a broken pool before the memory
-        # flag is read: that call is then counted as a crash (still bounded, reward 0).
-        assert w.stats["memory"] >= 1 and w.stats["crash"] <= 1
-        assert w.stats["ok"] + w.stats["memory"] + w.stats["crash"] == 12 == w.stats["calls"]
+        assert w.stats["memory"] >= 1 and w.stats["crash"] == 0
+        assert w.stats["ok"] + w.stats["memory"] == 12 == w.stats["calls"]
         assert max(out) <= 300 // 64 + 1  # bounded: the limit plus the one chunk of a 20 ms poll's lag
         assert out.count(1.0) >= 2  # a fresh worker (empty leak list) took over
-        assert out.count(0.0) == w.stats["memory"] + w.stats["crash"]
+        assert out.count(0.0) == w.stats["memory"]
         for p in w._pool._processes.values():
             with open(f"/proc/{p.pid}/status") as f:
                 rss_kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS"))
@@ -339,11 +337,15 @@ def test_worker_memory_leak_across_calls_is_bounded_by_a_fresh_pool():
 def test_worker_memory_bomb_inside_one_call_is_ended():
     from reward_fns import memory_bomb
 
+    # Several kills in a row: the pool's manager thread may reap the dead worker before this
+    # thread reads its exit status (Process.exitcode then reads None); the kill is classified
+    # "memory" every time regardless (it was "crash" in about 1 run of 6 when read from exitcode).
     with RewardWorker(timeout=60, max_memory_mb=400) as w:
-        t0 = time.monotonic()
-        assert w.compute(memory_bomb) == 0.0
-        assert time.monotonic() - t0 < 30
-        assert w.stats["memory"] == 1
+        for i in range(1, 9):
+            t0 = time.monotonic()
+            assert w.compute(memory_bomb) == 0.0
+            assert time.monotonic() - t0 < 30
+            assert (w.stats["memory"], w.stats["crash"]) == (i, 0)
         assert w.compute(add, 1, 1) == 2.0
 
 

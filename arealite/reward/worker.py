@@ -41,11 +41,14 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _worker_init(parent_pid: int, max_rss_bytes: int | None, poll_s: float = 0.02) -> None:
+def _worker_init(parent_pid: int, max_rss_bytes: int | None, memory_killed: Any = None,
+                 poll_s: float = 0.02) -> None:
     """Worker start-up: exit when the trainer dies, and, with ``max_rss_bytes``, a watchdog
     thread that ends the worker with :data:`MEMORY_EXIT_CODE` as soon as its resident memory
     exceeds that many bytes (polled every ``poll_s`` s; a leak across calls or a bomb inside
-    one call). RSS, not RLIMIT_AS: a worker that imported torch maps gigabytes it never uses."""
+    one call). RSS, not RLIMIT_AS: a worker that imported torch maps gigabytes it never uses.
+    Before it ends the worker, the watchdog sets ``memory_killed.value = 1`` (a shared-memory
+    int of the pool, :class:`_WatchedPool`)."""
     from arealite.utils.proc import exit_when_parent_dies
 
     exit_when_parent_dies(parent_pid)
@@ -55,10 +58,25 @@ def _worker_init(parent_pid: int, max_rss_bytes: int | None, poll_s: float = 0.0
     def watch() -> None:
         while True:
             if _rss_bytes() > max_rss_bytes:
+                if memory_killed is not None:
+                    memory_killed.value = 1
                 os._exit(MEMORY_EXIT_CODE)
             time.sleep(poll_s)
 
     threading.Thread(target=watch, name="reward-memory-watch", daemon=True).start()
+
+
+class _WatchedPool(concurrent.futures.ProcessPoolExecutor):
+    """A process pool whose workers run :func:`_worker_init`. ``memory_killed`` (a shared-memory
+    int, 0 or 1) is set by a worker's memory watchdog before it ends that worker, so a broken pool
+    is classified from it, not from exit statuses: the pool's manager thread may reap a dead
+    worker first, and ``Process.exitcode`` then reads None in every other thread (seen as a
+    memory kill logged as a crash, about 1 run in 6)."""
+
+    def __init__(self, max_workers: int, mp_context: Any, max_rss_bytes: int | None):
+        self.memory_killed = mp_context.RawValue("i", 0)
+        super().__init__(max_workers=max_workers, mp_context=mp_context, initializer=_worker_init,
+                         initargs=(os.getpid(), max_rss_bytes, self.memory_killed))
 
 
 def _short(args: tuple, limit: int = 300) -> str:
@@ -166,15 +184,12 @@ class RewardWorker:
         )
 
     # ------------------------------------------------------------------ pool
-    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+    def _new_pool(self) -> _WatchedPool:
         # Workers exit by themselves if this process is SIGKILLed (no orphans).
         limit = None if self.max_memory_mb is None else int(self.max_memory_mb * (1 << 20))
-        return concurrent.futures.ProcessPoolExecutor(
-            max_workers=self.max_workers, mp_context=self._ctx,
-            initializer=_worker_init, initargs=(os.getpid(), limit),
-        )
+        return _WatchedPool(self.max_workers, self._ctx, limit)
 
-    def _current(self) -> tuple[concurrent.futures.ProcessPoolExecutor, int]:
+    def _current(self) -> tuple[_WatchedPool, int]:
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardWorker is closed")
@@ -347,7 +362,6 @@ class RewardWorker:
         pool, gen = self._current()
         try:
             cfut = pool.submit(fn, *args)
-            procs = list((getattr(pool, "_processes", None) or {}).values())
         except (BrokenProcessPool, RuntimeError) as e:
             # pool broke/shut down between _current() and submit
             if retry:
@@ -366,7 +380,7 @@ class RewardWorker:
             self._replace_pool(gen, kill=True)
             return 0.0, "timeout"
         except BrokenProcessPool as e:
-            return self._broken_pool(gen, procs, name, e, retry)
+            return self._broken_pool(gen, pool, name, e, retry)
         except asyncio.CancelledError:
             cfut.cancel()
             raise
@@ -379,19 +393,18 @@ class RewardWorker:
             logger.warning("reward fn %s returned %r, not convertible to float (%r); reward=0.0", name, result, e)
             return 0.0, "bad_type"
 
-    def _broken_pool(self, gen: int, procs: list, name: str, e: BaseException,
+    def _broken_pool(self, gen: int, pool: _WatchedPool, name: str, e: BaseException,
                      retry: bool) -> tuple[float, str] | None:
-        """The pool of generation ``gen`` broke while running ``name``: replace it. Returns None
+        """``pool`` (generation ``gen``) broke while running ``name``: replace it. Returns None
         (retry) when another call's timeout killed it and ``retry``, else (0.0, "memory") when a
-        worker of ``procs`` exited with :data:`MEMORY_EXIT_CODE`, else (0.0, "crash")."""
+        worker's memory watchdog ended it, else (0.0, "crash")."""
         with self._lock:
             killed_by_other = gen in self._killed_generations
         if killed_by_other and retry:
             self._replace_pool(gen, kill=False)
             return None
-        for p in procs:  # the dead worker's exit status tells a memory kill from a crash
-            p.join(timeout=10.0)  # returns at once for an exited process; 1 s missed it under load
-        if any(p.exitcode == MEMORY_EXIT_CODE for p in procs):
+        # Set by the worker before it exited, and the pool breaks only after the exit is seen.
+        if pool.memory_killed.value:
             logger.warning("reward worker exceeded max_memory_mb=%s MiB while running %s; starting a fresh pool; "
                            "reward=0.0", self.max_memory_mb, name)
             self._replace_pool(gen, kill=False)
