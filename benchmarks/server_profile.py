@@ -5,9 +5,11 @@ whose KV already holds ``--kv-len`` tokens, then times whole decode steps (forwa
 row's last token + sampling + bookkeeping) for two variants, interleaved ``--reps`` times in
 one process (median reported):
 
-* ``plain``: ``F.linear`` (MKL) -- the server before issue 33 (``--no-packed-linear``);
-* ``packed``: oneDNN pre-packed linear weights (:mod:`arealite.server.packed_linear`) -- today's
-  server.
+* ``plain``: ``F.linear`` (MKL) and SDPA decode attention -- the server before issue 33
+  (``--no-packed-linear``, ``AREALITE_NATIVE_KERNELS=0``);
+* ``packed``: oneDNN pre-packed linear weights (:mod:`arealite.server.packed_linear`), SDPA;
+* ``native``: packed linear weights and the native decode-attention kernel
+  (:mod:`arealite.server.native`) -- today's server.
 
 Then one profile (``torch.profiler``) of today's server groups the step's CPU time into the
 linear layers, attention, sampling and the rest, and prints the GEMM rate of the step's linear
@@ -21,10 +23,13 @@ layers against a large square GEMM of the same dtype and threads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
+
+from arealite.server import native
 
 from arealite.server.messages import Request
 from arealite.server.protocol import SamplingParams
@@ -33,7 +38,26 @@ from arealite.server.scheduler import Scheduler
 GROUPS = {  # profiler op name -> group
     "mkldnn::_linear_pointwise": "linear", "aten::mm": "linear", "aten::addmm": "linear",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "arealite::decode_attention": "attention",
 }
+VARIANTS = {"plain": (False, False), "packed": (True, False), "native": (True, True)}  # packed, native
+
+
+@contextlib.contextmanager
+def _decode_attention(use_native: bool, profiled: bool = False):
+    """Within the block the server's decode attention is SDPA (``use_native`` False) or the native
+    kernel, under a profiler label when ``profiled`` (a ctypes call is not a torch op)."""
+    kernel = native.decode_attention
+
+    def labelled(*a, **kw):
+        with torch.profiler.record_function("arealite::decode_attention"):
+            return kernel(*a, **kw)
+
+    native.decode_attention = (labelled if profiled else kernel) if use_native else (lambda *a, **kw: None)
+    try:
+        yield
+    finally:
+        native.decode_attention = kernel
 
 
 def _scheduler(model, rows: int, kv_len: int, packed: bool) -> Scheduler:
@@ -92,16 +116,18 @@ def main():
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-              for v in ("plain", "packed")}
-    scheds = {v: _scheduler(m, args.rows, args.kv_len, v != "plain") for v, m in models.items()}
+    models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval() for v in VARIANTS}
+    scheds = {v: _scheduler(m, args.rows, args.kv_len, VARIANTS[v][0]) for v, m in models.items()}
     cfg = models["plain"].config
+    if native.library() is None:
+        print("  (the native kernel is not available here: 'native' runs SDPA; see the warning above)")
     print(f"{path}: {args.rows} rows x ~{args.kv_len} cached tokens, {args.threads} threads, "
           f"{args.dtype}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     times = {v: [] for v in scheds}
     for _ in range(args.reps):
         for v, s in scheds.items():
-            times[v].append(_time_steps(s, args.steps))
+            with _decode_attention(VARIANTS[v][1]):
+                times[v].append(_time_steps(s, args.steps))
     base = statistics.median(times["plain"])
     for v, ts in times.items():
         med = statistics.median(ts)
@@ -110,8 +136,8 @@ def main():
 
     from torch.profiler import ProfilerActivity, profile
 
-    s = scheds["packed"]
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    s = scheds["native"]
+    with torch.inference_mode(), _decode_attention(True, profiled=True), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             s._decode_step()
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
@@ -124,7 +150,7 @@ def main():
         for _ in range(args.steps):
             s._sample_and_append(s._rows, logits)
         t_sample = (time.perf_counter() - t) / args.steps
-    print(f"  profile of packed, {args.steps} steps (self CPU time of the ops):")
+    print(f"  profile of native, {args.steps} steps (self CPU time of the ops):")
     for g in ("linear", "attention", "other"):
         print(f"    {g:<10} {100 * groups.get(g, 0.0) / total:5.1f} %")
     print(f"    sampling alone (one step, [{args.rows}, {cfg.vocab_size}] logits): {t_sample * 1000:.1f} ms")

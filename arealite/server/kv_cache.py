@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from arealite.server import native
+
 ATTN_IMPLEMENTATION = "arealite_slots"
 
 
@@ -192,6 +194,9 @@ class _StepContext:
     def __init__(self, cache: SlotKVCache, pos=None, kv_len: int = 0, mask=None, segments=()):
         self.cache, self.pos, self.kv_len, self.mask, self.segments = (
             cache, pos, kv_len, mask, segments)
+        self.lens = None if pos is None else pos + 1  # positions each row attends
+        if pos is not None and kv_len > cache.capacity:
+            raise ValueError(f"decode step attends {kv_len} positions, the cache holds {cache.capacity}")
 
 
 _CONTEXT = threading.local()
@@ -217,7 +222,9 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     after RoPE; returns ``([B, T, Hq, D], None)`` like transformers' sdpa function).
 
     Decode (``B`` rows, ``T = 1``): writes each row's new key/value at its own position, then
-    attends over the first ``kv_len`` cached positions with a per-row length mask; the query
+    attends over that row's positions ``[0, pos]``: the native kernel
+    (:func:`arealite.server.native.decode_attention`, reading each row's own length) where it
+    runs, else SDPA over the first ``kv_len`` positions with a per-row length mask; the query
     heads of one KV head are packed as a length-``Hq/Hkv`` query, so GQA needs no repeat.
     Prefill (``B = 1``, the prompts packed along ``T``): for each segment ``(row, start, off,
     n)`` writes tokens ``off:off+n`` at positions ``start:start+n`` of ``row`` and attends
@@ -241,8 +248,10 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         k_buf[rows, :, ctx.pos] = key[:, :, 0]
         v_buf[rows, :, ctx.pos] = value[:, :, 0]
         q = query.reshape(b, hkv, hq // hkv, d)
-        out = sdpa(q, k_buf[:b, :, :ctx.kv_len], v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask,
-                   scale=scaling)
+        out = native.decode_attention(q, k_buf, v_buf, ctx.lens, d ** -0.5 if scaling is None else scaling)
+        if out is None:
+            out = sdpa(q, k_buf[:b, :, :ctx.kv_len], v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask,
+                       scale=scaling)
         return out.reshape(b, hq, 1, d).transpose(1, 2), None
     out = torch.empty_like(query)
     gqa = query.shape[1] != key.shape[1]

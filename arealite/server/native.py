@@ -1,0 +1,162 @@
+"""The server's native CPU kernel: decode attention over the slot KV cache
+(``decode_attention.c`` beside this file), built at first use with the machine's C compiler and
+called through ``ctypes``.
+
+Why: for one query token per row, torch's SDPA on CPU (its flash kernel) reads every row up to
+the longest row's length and runs many tiny GEMMs; on a 2-core AVX-512 machine it moved 7-14
+GB/s over the KV cache and took 36-42 % of a bf16 decode step. The kernel reads each row's own
+positions once for all query heads of a KV head (``python benchmarks/server_profile.py``;
+docs/performance.md has the figures).
+
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp``, into
+``<cache_dir()>/kernels/`` under a name hashing the source, the flags, the compiler's version and
+this CPU's flags, so a home directory shared by different machines never runs code built for
+another CPU; concurrent builders are serialised by a file lock and the file appears by rename.
+The library uses OpenMP, and is loaded only when torch's own ``libgomp.so.1`` is already
+mapped: the dynamic linker then binds it to that library, so the kernel runs on torch's thread
+pool (a second pool would make both pools sleep between parallel regions; see
+:func:`arealite.utils.proc.run_in_short_lived_thread`).
+
+When the kernel cannot be used (no compiler, a failed build, torch without libgomp, not Linux, a
+CUDA tensor, a dtype other than bfloat16/float32, ``AREALITE_NATIVE_KERNELS=0``), callers use
+SDPA; the reason is logged once at WARNING (INFO for the explicit opt-out).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import time
+
+import torch
+
+logger = logging.getLogger("arealite.server")
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_attention.c")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+_OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
+
+
+def _mapped_openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux ``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if line.count("/") and len(line.split()) >= 6}
+    return {p for p in paths if os.path.basename(p).startswith(_OPENMP_RUNTIMES)}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _build(cc: str) -> str:
+    """Compile the kernel (once per source, flags, compiler and CPU); returns the library path.
+
+    Raises:
+        RuntimeError: the compiler failed (its output, shortened, is in the message).
+    """
+    from arealite.utils.hf import cache_dir
+
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    tag = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    out_dir = os.path.join(cache_dir(), "kernels")
+    path = os.path.join(out_dir, f"decode_attention-{tag}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, ".build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], capture_output=True,
+                                  text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} exited with {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}")
+            os.replace(tmp, path)
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (built at the first call in this process), or None when it
+    cannot be used here (the reason is logged once)."""
+    if os.environ.get("AREALITE_NATIVE_KERNELS", "1") == "0":
+        logger.info("AREALITE_NATIVE_KERNELS=0: decode attention uses torch SDPA")
+        return None
+    why = None
+    if platform.system() != "Linux":
+        why = f"native kernels are built on Linux only (this is {platform.system()})"
+    else:
+        cc = os.environ.get("CC", "cc")
+        runtimes = _mapped_openmp_runtimes()
+        if not any(os.path.basename(p).startswith("libgomp") for p in runtimes):
+            why = f"torch's OpenMP runtime is not libgomp (mapped: {sorted(runtimes) or 'none'})"
+        elif shutil.which(cc) is None:
+            why = f"no C compiler {cc!r} on PATH (set CC, or install gcc)"
+    if why is None:
+        try:
+            t0 = time.monotonic()
+            path = _build(cc)
+            lib = ctypes.CDLL(path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            why = f"building/loading {_SOURCE} failed: {e}"
+        else:
+            extra = _mapped_openmp_runtimes() - runtimes
+            if extra:  # never expected: the soname matched torch's libgomp above
+                why = f"the kernel library brought a second OpenMP runtime {sorted(extra)}"
+    if why is not None:
+        logger.warning("decode attention uses torch SDPA (slower on CPU): %s", why)
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn in (lib.decode_attention_bf16, lib.decode_attention_f32):
+        fn.argtypes = [p, p, p, p, p] + [i64] * 10 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    logger.info("decode attention: native CPU kernel %s (ready in %.1f s)", path, time.monotonic() - t0)
+    return lib
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lens: torch.Tensor,
+                     scale: float) -> torch.Tensor | None:
+    """Grouped-query attention of one query token per row over the slot KV cache, reading row
+    ``r``'s positions ``[0, lens[r])`` only (Vaswani et al. 2017, eq. 1, per KV-head group).
+
+    Args:
+        q: ``[b, hkv, g, d]`` queries (``g`` query heads per KV head, ``g <= 16``, ``d <= 256``),
+            bfloat16 or float32, on the CPU.
+        k_buf, v_buf: ``[rows >= b, hkv, capacity, d]`` key/value buffers of ``q``'s dtype, the
+            last dimension contiguous (any other strides).
+        lens: ``[b]`` int64 positions to attend per row, each in ``[1, capacity]``.
+        scale: the factor of ``q.k`` (``1/sqrt(d)`` for standard attention).
+
+    Returns:
+        ``[b, hkv, g, d]`` in ``q``'s dtype (fp32 scores, softmax and sums inside), or None when
+        the kernel cannot run these inputs here (the caller uses SDPA).
+    """
+    if (q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32)
+            or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype
+            or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q = q.contiguous()
+    lens = lens.to(torch.int64).contiguous()
+    b, hkv, g, d = q.shape
+    out = torch.empty_like(q)
+    fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
+    rc = fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), lens.data_ptr(),
+            b, hkv, g, d, *k_buf.stride()[:3], *v_buf.stride()[:3], float(scale), torch.get_num_threads())
+    return out if rc == 0 else None

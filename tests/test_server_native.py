@@ -1,0 +1,128 @@
+"""The server's native decode-attention kernel (arealite/server/native.py, decode_attention.c):
+equality with a float64 reference that reads each row's own length, positions past a row's
+length never read, torch's thread pool shared, and the SDPA fallback where it cannot be built."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+from arealite.server import native
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler / libgomp here")
+
+
+def _reference(q, k_buf, v_buf, lens, scale):
+    """float64 attention of row r over its positions [0, lens[r]), GQA by repeating KV heads."""
+    b, hkv, g, d = q.shape
+    out = torch.empty(b, hkv, g, d, dtype=torch.float64)
+    for r in range(b):
+        n = int(lens[r])
+        k, v = k_buf[r, :, :n].double(), v_buf[r, :, :n].double()  # [hkv, n, d]
+        s = torch.einsum("hgd,hnd->hgn", q[r].double(), k) * scale
+        out[r] = torch.einsum("hgn,hnd->hgd", torch.softmax(s, -1), v)
+    return out
+
+
+def _case(b, hkv, g, d, rows, capacity, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv, g, d, generator=gen).to(dtype)
+    k_buf = torch.randn(rows, hkv, capacity, d, generator=gen).to(dtype)
+    v_buf = torch.randn(rows, hkv, capacity, d, generator=gen).to(dtype)
+    lens = torch.randint(1, capacity + 1, (b,), generator=gen)
+    lens[0], lens[-1] = 1, capacity  # one position only, and the full buffer
+    return q, k_buf, v_buf, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,hkv,g,d", [(5, 3, 3, 64), (3, 1, 1, 128), (4, 4, 2, 8), (2, 2, 16, 256)])
+def test_decode_attention_matches_a_float64_reference(dtype, b, hkv, g, d):
+    q, k_buf, v_buf, lens = _case(b, hkv, g, d, rows=b + 2, capacity=37, dtype=dtype)
+    scale = d ** -0.5
+    out = native.decode_attention(q, k_buf, v_buf, lens, scale)
+    assert out.dtype == dtype and out.shape == (b, hkv, g, d)
+    ref = _reference(q, k_buf, v_buf, lens, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    else:  # fp32 inside, one rounding to bf16 at the end: within one bf16 ulp of the exact value
+        err = (out.double() - ref).abs()
+        assert (err <= ref.abs() * 2 ** -8 + 1e-6).all(), err.max()
+    # a row attending one position returns that position's value (softmax of one score = 1)
+    torch.testing.assert_close(out[0].double(), v_buf[0, :, :1].double().expand(hkv, g, d),
+                               rtol=0, atol=0)
+
+
+def test_positions_past_each_rows_length_are_never_read():
+    q, k_buf, v_buf, lens = _case(6, 2, 3, 64, rows=6, capacity=50, dtype=torch.float32, seed=1)
+    clean = native.decode_attention(q, k_buf, v_buf, lens, 0.125)
+    for r in range(6):  # NaN wherever a row must not look (and in rows beyond b)
+        k_buf[r, :, int(lens[r]):] = float("nan")
+        v_buf[r, :, int(lens[r]):] = float("nan")
+    assert torch.equal(native.decode_attention(q, k_buf, v_buf, lens, 0.125), clean)
+
+
+def test_strided_views_and_non_contiguous_queries():
+    """The server passes the whole cache buffers and a query reshaped from a transposed tensor."""
+    q, k_buf, v_buf, lens = _case(3, 2, 2, 64, rows=3, capacity=20, dtype=torch.float32, seed=2)
+    big_k = torch.zeros(5, 2, 64, 64)  # more rows and capacity than the step uses
+    big_v = torch.zeros(5, 2, 64, 64)
+    big_k[:3, :, :20], big_v[:3, :, :20] = k_buf, v_buf
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    assert not q_t.is_contiguous()
+    out = native.decode_attention(q_t, big_k, big_v, lens, 0.125)
+    assert torch.equal(out, native.decode_attention(q, k_buf, v_buf, lens, 0.125))
+
+
+def test_unsupported_inputs_return_none_for_the_sdpa_fallback():
+    q, k_buf, v_buf, lens = _case(2, 1, 1, 8, rows=2, capacity=4, dtype=torch.float32)
+    assert native.decode_attention(q.double(), k_buf.double(), v_buf.double(), lens, 1.0) is None
+    assert native.decode_attention(q, k_buf.to(torch.bfloat16), v_buf, lens, 1.0) is None
+    assert native.decode_attention(q, k_buf.transpose(2, 3), v_buf, lens, 1.0) is None
+
+
+def test_kernel_runs_on_torchs_own_openmp_runtime():
+    """One libgomp in the process (torch's): a second OpenMP pool would make both sleep between
+    parallel regions (the 1.4x decode throttle of arealite.utils.proc.run_in_short_lived_thread)."""
+    runtimes = native._mapped_openmp_runtimes()
+    assert len(runtimes) == 1 and os.path.basename(next(iter(runtimes))) == "libgomp.so.1", runtimes
+    assert os.path.dirname(next(iter(runtimes))) == os.path.join(os.path.dirname(torch.__file__), "lib")
+
+
+def test_without_a_compiler_the_server_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):
+    from arealite.server import kv_cache
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("AREALITE_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="arealite.server"):
+            assert native.library() is None
+        assert any("no C compiler" in r.getMessage() and "no-such-cc" in r.getMessage() for r in caplog.records)
+        # the scheduler's decode attention through SDPA equals the kernel's result
+        q, k_buf, v_buf, lens = _case(3, 2, 2, 16, rows=3, capacity=9, dtype=torch.float32, seed=3)
+        assert native.decode_attention(q, k_buf, v_buf, lens, 0.25) is None
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("AREALITE_NATIVE_KERNELS", "0")
+        native.library.cache_clear()
+        assert native.library() is None
+    finally:
+        native.library.cache_clear()
+    cache = kv_cache.SlotKVCache(1, 2, 16, torch.float32, "cpu", max_rows=4)
+    cache.ensure(3, 9, 0, 0)
+    cache.k[0][:3, :, :9], cache.v[0][:3, :, :9] = k_buf, v_buf  # capacity rounds up to 128
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    pos = lens - 1
+    query = q.reshape(3, 4, 1, 16)
+    key, value = k_buf[torch.arange(3), :, pos][:, :, None], v_buf[torch.arange(3), :, pos][:, :, None]
+    outs = []
+    for env in ("0", "1"):  # SDPA, then the kernel
+        monkeypatch.setenv("AREALITE_NATIVE_KERNELS", env)
+        native.library.cache_clear()
+        mask = (torch.arange(9)[None, :] <= pos[:, None])[:, None, None]
+        with kv_cache.attention_step(cache, pos=pos, kv_len=int(lens.max()), mask=mask):
+            outs.append(kv_cache.slot_attention(module, query, key, value, None, scaling=0.25)[0])
+    native.library.cache_clear()
+    assert outs[0].shape == (3, 1, 4, 16)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
