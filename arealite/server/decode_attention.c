@@ -39,6 +39,15 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Software prefetch distance [bytes] along a (row, KV head)'s keys, then values: the hardware
+ * prefetchers alone left a real decode step at 16 GB/s of KV from DRAM on the 2-core EPYC;
+ * 2, 4 and 8 KiB ahead gave 25-28 GB/s (32 rows x 200 positions x 30 layers, bf16). */
+#define PREFETCH_BYTES 4096
+
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+}
+
 /* One (row, KV head): q [g, d], keys/values at k + t * k_st, v + t * v_st (t < len), out [g, d].
  * s: scratch of g * len floats. */
 #define DEFINE_ITEM(NAME, T, LOAD, STORE)                                                          \
@@ -46,9 +55,14 @@ static inline uint16_t f32_to_bf16(float f) {
         const T *q, const T *k, const T *v, T *out, int64_t len, int64_t g, const int64_t d,       \
         int64_t k_st, int64_t v_st, float scale, float *s) {                                       \
         float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], row[MAX_DIM], sum[MAX_GROUP];     \
+        const int64_t pf = PREFETCH_BYTES / (int64_t)(d * sizeof(T)) + 1; /* rows ahead */        \
         for (int64_t i = 0; i < g * d; i++) qf[i] = LOAD(q[i]) * scale;                            \
         for (int64_t t = 0; t < len; t++) {                                                        \
             const T *kt = k + t * k_st;                                                            \
+            if (t + pf < len) /* the keys ahead, then the first values */                         \
+                prefetch_row(kt + pf * k_st, d * (int64_t)sizeof(T));                              \
+            else if (t + pf - len < len)                                                           \
+                prefetch_row(v + (t + pf - len) * v_st, d * (int64_t)sizeof(T));                   \
             for (int64_t i = 0; i < d; i++) row[i] = LOAD(kt[i]);                                  \
             for (int64_t j = 0; j < g; j++) {                                                      \
                 float dot = 0.f;                                                                   \
@@ -66,6 +80,7 @@ static inline uint16_t f32_to_bf16(float f) {
         for (int64_t i = 0; i < g * d; i++) acc[i] = 0.f;                                          \
         for (int64_t t = 0; t < len; t++) {                                                        \
             const T *vt = v + t * v_st;                                                            \
+            if (t + pf < len) prefetch_row(vt + pf * v_st, d * (int64_t)sizeof(T));               \
             for (int64_t i = 0; i < d; i++) row[i] = LOAD(vt[i]);                                  \
             for (int64_t j = 0; j < g; j++) {                                                      \
                 const float p = s[j * len + t];                                                    \
