@@ -63,6 +63,10 @@ def build_scheduler(args) -> Scheduler:
         logger.info("--dtype auto -> %s (%s)", args.dtype, why)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
     model.to(args.device).eval()
+    if args.device == "cpu":  # build the decode-attention kernel now, not in the first request
+        from arealite.server import native
+
+        native.library()
     try:
         from transformers import AutoTokenizer
 
