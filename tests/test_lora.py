@@ -16,7 +16,7 @@ import torch
 
 from arealite.api.cli import ConfigError, load_config
 from arealite.api.config import GRPOConfig, LoRAConfig
-from arealite.server.weights import merge_lora
+from arealite.server.weights import load_named_tensors, merge_lora
 from conftest import REPO_ROOT, save_tiny_model
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "dist", "lora_grpo.py")
@@ -138,6 +138,39 @@ def test_server_merge_keeps_the_base_and_checks_before_changing_anything():
     with pytest.raises(ValueError, match="no linear layer"):
         merge_lora(lin, {"1.lora_A.weight": a})
     assert torch.equal(lin[0].weight, before)
+
+
+def test_bf16_server_keeps_a_small_lora_update_that_a_bf16_merge_would_round_away():
+    """W = 1 everywhere and an update B A = ±1e-3 (under half a bf16 ulp of 1, 2^-9): bf16(W + B A)
+    is W again, so a merged bf16 server would serve the base policy. The bf16 server keeps W and
+    adds (x Aᵀ) Bᵀ. With x = (+1, -1, +1, ...) the base output is exactly 0 and the update's
+    is 64 · 1e-3 = 0.064: unmerged it is kept (up to bf16 output rounding), merged it is 0."""
+    from arealite.server import packed_linear
+
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 8, bias=False)).to(torch.bfloat16)
+    lin[0].weight.data.fill_(1.0)
+    sign = torch.tensor([(-1.0) ** j for j in range(64)])
+    a, b = 0.5 * sign.repeat(2, 1), torch.full((8, 2), 1e-3)  # B A = ±1e-3, r = 2
+    assert torch.equal((lin[0].weight.float() + b @ a).to(torch.bfloat16), lin[0].weight)  # lost in a merge
+    x = sign.repeat(3, 1).to(torch.bfloat16)
+    assert merge_lora(lin, {"0.lora_A.weight": a, "0.lora_B.weight": b}) == 1
+    assert torch.equal(lin[0].weight, torch.ones(8, 64, dtype=torch.bfloat16))  # W untouched
+    exact = x.double() @ (torch.ones(8, 64).double() + b.double() @ a.double()).T
+    torch.testing.assert_close(exact, torch.full((3, 8), 0.064, dtype=torch.float64), rtol=1e-6, atol=0)  # b is 1e-3 in fp32
+    with torch.no_grad():
+        out = lin(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=0)
+    if packed_linear.available(x.device, torch.bfloat16):  # the server's packed forward keeps it too
+        packed_linear.pack_linears(lin)
+        with torch.inference_mode():
+            assert torch.equal(lin(x), out)
+    merge_lora(lin, {"0.lora_A.weight": a, "0.lora_B.weight": 2 * b})  # the next version replaces it
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x).float(), torch.full((3, 8), 0.128), rtol=2 ** -8, atol=0)
+    load_named_tensors(lin, {"0.weight": torch.full((8, 64), 2.0)})  # a full load drops the adapter
+    with torch.no_grad():
+        assert torch.equal(lin(x), torch.zeros(3, 8, dtype=torch.bfloat16))
 
 
 def test_bad_lora_config_names_the_field(model_dir):

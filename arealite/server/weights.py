@@ -8,9 +8,19 @@ bucket block, so the HTTP layer runs them in a worker thread.
 LoRA actors (:mod:`arealite.train_engine.lora`) send only their adapters: a PEFT adapter folder on
 disk (``adapter_config.json``), or buckets of ``{module}.lora_A.weight`` (A [r, in]) and
 ``{module}.lora_B.weight`` (s · B [out, r], the scale s = alpha / r folded in by the trainer).
-:func:`merge_lora` sets ``W = W0 + s · B A`` (float32, cast to W's dtype), where ``W0`` is a copy
-of the weight kept from before the first LoRA load: every version merges afresh onto the same
-base (no drift). A full-weight load replaces the base (the kept copies of those weights drop).
+:func:`merge_lora` applies them:
+
+* fp32 weights: ``W = W0 + s · B A`` (merged in fp32), where ``W0`` is a copy of the weight kept
+  from before the first LoRA load: every version merges afresh onto the same base (no drift).
+* bf16/fp16 weights: **unmerged**. ``W`` stays ``W0`` and the module's output gets
+  ``(x Aᵀ)(s B)ᵀ`` added in the weight's dtype (a forward hook), as the trainer's PEFT layers
+  compute it. Rounding ``W0 + s · B A`` to bf16 loses the part of the update below half a bf16
+  ulp of ``W0`` (2⁻⁹ relative), and LoRA updates are mostly that small: on the main job's
+  adapters (SmolLM2-135M, rank 16) the merged bf16 model was 19-40× further from the fp32
+  policy (mismatch KL k3) than the unmerged one (2026-12-05, docs/performance.md).
+
+A full-weight load replaces the base (the kept copies of those weights, and the adapters of
+those modules, drop).
 """
 
 from __future__ import annotations
@@ -85,10 +95,35 @@ LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 
 def _drop_lora_base(model: torch.nn.Module, names) -> None:
-    """Full weights ``names`` were loaded: they are the new base of later LoRA merges."""
+    """Full weights ``names`` were loaded: they are the new base of later LoRA merges, and the
+    unmerged adapters of their modules no longer apply."""
     base = getattr(model, "_arealite_lora_w0", None)
     for n in names if base else ():
         base.pop(n, None)
+    modules = None
+    for n in names:
+        if n.endswith(".weight"):
+            modules = modules if modules is not None else dict(model.named_modules())
+            mod = modules.get(n.removesuffix(".weight"))
+            if getattr(mod, "_arealite_lora", None) is not None:
+                mod._arealite_lora = None
+
+
+def _lora_hook(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a module with an unmerged adapter: ``output + (x Aᵀ)(s B)ᵀ``."""
+    lora = module._arealite_lora
+    if lora is None:
+        return output
+    a, b = lora
+    return output + torch.nn.functional.linear(torch.nn.functional.linear(args[0], a), b)
+
+
+def _attach_lora(module: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Serve ``module`` with the adapter A [r, in], s·B [out, r] unmerged (in the weight's dtype)."""
+    w = module.weight
+    module._arealite_lora = (a.to(device=w.device, dtype=w.dtype), b.to(device=w.device, dtype=w.dtype))
+    if not hasattr(module, "_arealite_lora_hook"):
+        module._arealite_lora_hook = module.register_forward_hook(_lora_hook)
 
 
 def load_adapter_from_disk(model: torch.nn.Module, path: str) -> int:
@@ -131,12 +166,14 @@ def load_adapter_from_disk(model: torch.nn.Module, path: str) -> int:
 
 
 def merge_lora(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """Set ``W = W0 + B A`` for every module whose ``{module}.lora_A.weight`` (A [r, in]) and
+    """Apply the adapter of every module whose ``{module}.lora_A.weight`` (A [r, in]) and
     ``{module}.lora_B.weight`` (B [out, r], already scaled) are both known, from ``tensors`` or
-    from earlier calls (a pair may straddle two buckets; the first half waits on the model).
-    ``W0`` is the module's weight before its first merge (kept on the model). Every tensor is
-    validated (linear module of the model, shapes fit ``W`` [out, in] and each other) before
-    anything changes. Returns the number of modules merged now.
+    from earlier calls (a pair may straddle two buckets; the first half waits on the model):
+    fp32 weights get ``W = W0 + B A`` (``W0``: the module's weight before its first merge, kept
+    on the model); other dtypes keep ``W`` and add ``(x Aᵀ) Bᵀ`` to the module's output in that
+    dtype (unmerged; the module docstring says why). Every tensor is validated (linear module
+    of the model, shapes fit ``W`` [out, in] and each other) before anything changes. Returns
+    the number of modules given their adapter now.
 
     Raises:
         ValueError: naming the first tensor that does not fit.
@@ -164,9 +201,12 @@ def merge_lora(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
             if not key.endswith(LORA_A) or (mname := key.removesuffix(LORA_A)) + LORA_B not in new:
                 continue
             w = modules[mname].weight
-            w0 = base.setdefault(mname + ".weight", w.detach().clone())
             a, b = new.pop(key), new.pop(mname + LORA_B)
-            w.copy_((w0.float() + b.to(w.device).float() @ a.to(w.device).float()).to(w.dtype))
+            if w.dtype == torch.float32:
+                w0 = base.setdefault(mname + ".weight", w.detach().clone())
+                w.copy_(w0 + b.to(w.device).float() @ a.to(w.device).float())
+            else:
+                _attach_lora(modules[mname], a, b)
             merged += 1
     pending.clear()
     pending.update(new)  # halves still waiting for their pair
