@@ -46,8 +46,8 @@ _OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 def _mapped_openmp_runtimes() -> set[str]:
     """Paths of the OpenMP runtimes mapped into this process (Linux ``/proc/self/maps``)."""
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if line.count("/") and len(line.split()) >= 6}
+    with open("/proc/self/maps") as f:  # address perms offset dev inode [path]
+        paths = {parts[5] for parts in map(str.split, f) if len(parts) >= 6}
     return {p for p in paths if os.path.basename(p).startswith(_OPENMP_RUNTIMES)}
 
 

@@ -100,13 +100,11 @@ def _drop_lora_base(model: torch.nn.Module, names) -> None:
     base = getattr(model, "_arealite_lora_w0", None)
     for n in names if base else ():
         base.pop(n, None)
-    modules = None
-    for n in names:
-        if n.endswith(".weight"):
-            modules = modules if modules is not None else dict(model.named_modules())
-            mod = modules.get(n.removesuffix(".weight"))
-            if getattr(mod, "_arealite_lora", None) is not None:
-                mod._arealite_lora = None
+    unmerged = getattr(model, "_arealite_lora_unmerged", None)
+    for n in names if unmerged else ():
+        module = unmerged.pop(n, None)
+        if module is not None:
+            module._arealite_lora = None
 
 
 def _lora_hook(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -118,12 +116,15 @@ def _lora_hook(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> to
     return output + torch.nn.functional.linear(torch.nn.functional.linear(args[0], a), b)
 
 
-def _attach_lora(module: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor) -> None:
-    """Serve ``module`` with the adapter A [r, in], s·B [out, r] unmerged (in the weight's dtype)."""
+def _attach_lora(model: torch.nn.Module, name: str, module: torch.nn.Linear, a: torch.Tensor,
+                 b: torch.Tensor) -> None:
+    """Serve ``module`` (``model``'s ``name``) with the adapter A [r, in], s·B [out, r] unmerged,
+    in the weight's dtype; ``model`` lists it under ``{name}.weight`` for :func:`_drop_lora_base`."""
     w = module.weight
     module._arealite_lora = (a.to(device=w.device, dtype=w.dtype), b.to(device=w.device, dtype=w.dtype))
     if not hasattr(module, "_arealite_lora_hook"):
         module._arealite_lora_hook = module.register_forward_hook(_lora_hook)
+    model.__dict__.setdefault("_arealite_lora_unmerged", {})[name + ".weight"] = module
 
 
 def load_adapter_from_disk(model: torch.nn.Module, path: str) -> int:
@@ -206,7 +207,7 @@ def merge_lora(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
                 w0 = base.setdefault(mname + ".weight", w.detach().clone())
                 w.copy_(w0 + b.to(w.device).float() @ a.to(w.device).float())
             else:
-                _attach_lora(modules[mname], a, b)
+                _attach_lora(model, mname, modules[mname], a, b)
             merged += 1
     pending.clear()
     pending.update(new)  # halves still waiting for their pair
