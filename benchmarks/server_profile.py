@@ -9,7 +9,7 @@ one process (median reported):
   (``--no-packed-linear``, ``AREALITE_NATIVE_KERNELS=0``);
 * ``packed``: oneDNN pre-packed linear weights (:mod:`arealite.server.packed_linear`), SDPA;
 * ``native``: packed linear weights and the native decode-attention kernel
-  (:mod:`arealite.server.native`) -- today's server.
+  (:mod:`arealite.native`) -- today's server.
 
 Then one profile (``torch.profiler``) of today's server groups the step's CPU time into the
 linear layers, attention, sampling and the rest, and prints the GEMM rate of the step's linear
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from arealite.server import native
+from arealite import native
 
 from arealite.server.messages import Request
 from arealite.server.protocol import SamplingParams

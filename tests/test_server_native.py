@@ -1,4 +1,4 @@
-"""The server's native decode-attention kernel (arealite/server/native.py, decode_attention.c):
+"""The server's native decode-attention kernel (arealite/native/, decode_attention.c):
 equality with a float64 reference that reads each row's own length, positions past a row's
 length never read, torch's thread pool shared, and the SDPA fallback where it cannot be built."""
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from arealite.server import native
+from arealite import native
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler / libgomp here")
 
@@ -96,7 +96,7 @@ def test_without_a_compiler_the_server_falls_back_to_sdpa(monkeypatch, tmp_path,
     monkeypatch.setenv("AREALITE_CACHE", str(tmp_path))
     native.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="arealite.server"):
+        with caplog.at_level(logging.WARNING, logger="arealite.native"):
             assert native.library() is None
         assert any("no C compiler" in r.getMessage() and "no-such-cc" in r.getMessage() for r in caplog.records)
         # the scheduler's decode attention through SDPA equals the kernel's result

@@ -64,7 +64,7 @@ def build_scheduler(args) -> Scheduler:
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=DTYPES[args.dtype])
     model.to(args.device).eval()
     if args.device == "cpu":  # build the decode-attention kernel now, not in the first request
-        from arealite.server import native
+        from arealite import native
 
         native.library()
     try:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from arealite.server import native
+from arealite import native
 
 ATTN_IMPLEMENTATION = "arealite_slots"
 
@@ -223,7 +223,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
 
     Decode (``B`` rows, ``T = 1``): writes each row's new key/value at its own position, then
     attends over that row's positions ``[0, pos]``: the native kernel
-    (:func:`arealite.server.native.decode_attention`, reading each row's own length) where it
+    (:func:`arealite.native.decode_attention`, reading each row's own length) where it
     runs, else SDPA over the first ``kv_len`` positions with a per-row length mask; the query
     heads of one KV head are packed as a length-``Hq/Hkv`` query, so GQA needs no repeat.
     Prefill (``B = 1``, the prompts packed along ``T``): for each segment ``(row, start, off,

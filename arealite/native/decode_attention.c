@@ -12,7 +12,7 @@
  * libgomp.so.1 is already loaded, so the dynamic linker binds it to that same library and these
  * loops run on torch's own thread pool (no second pool competing for the cores).
  *
- * Built at first use by arealite/server/native.py with the machine's C compiler
+ * Built at first use by arealite/native/__init__.py with the machine's C compiler
  * (-O3 -march=native -ffast-math -fopenmp; -ffast-math lets gcc vectorise expf; no infinities
  * occur: masked positions are never read).
  */

@@ -1,12 +1,23 @@
-"""The server's native CPU kernel: decode attention over the slot KV cache
-(``decode_attention.c`` beside this file), built at first use with the machine's C compiler and
-called through ``ctypes``.
+"""Native CPU kernels, built at first use with the machine's C compiler and called through
+``ctypes`` (the C sources lie beside this file):
 
-Why: for one query token per row, torch's SDPA on CPU (its flash kernel) reads every row up to
+* :func:`decode_attention` (``decode_attention.c``): the server's decode attention over the slot
+  KV cache;
+* :func:`linear_bf16_f32` (``gemm_bf16.c``): ``x @ w.T`` of bfloat16 operands with float32
+  sums *and a float32 result*, the LM head of a bf16 model (AVX-512 BF16 ``vdpbf16ps``).
+
+Why decode attention: for one query token per row, torch's SDPA on CPU (its flash kernel) reads every row up to
 the longest row's length and runs many tiny GEMMs; on a 2-core AVX-512 machine it moved 7-14
 GB/s over the KV cache and took 36-42 % of a bf16 decode step. The kernel reads each row's own
 positions once for all query heads of a KV head (``python benchmarks/server_profile.py``;
 docs/performance.md has the figures).
+
+Why the GEMM: torch 2.13 has no CPU matmul of bf16 inputs with an fp32 output (``aten::mm.dtype``
+has no CPU kernel; ``mm(out=fp32)`` is refused), so an fp32 LM head over bf16 hidden states had to
+widen both operands and run the fp32 GEMM, 4-5x slower than bf16 on a CPU with AVX-512 BF16
+(46 % of a bf16 RL step). Products of two bf16 numbers are exact in fp32, so this kernel's
+logits equal the widened fp32 GEMM's up to the order of the fp32 sums (``python
+benchmarks/lm_head.py``).
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp``, into
 ``<cache_dir()>/kernels/`` under a name hashing the source, the flags, the compiler's version and
@@ -37,9 +48,10 @@ import time
 
 import torch
 
-logger = logging.getLogger("arealite.server")
+logger = logging.getLogger("arealite.native")
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_attention.c")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = tuple(os.path.join(_HERE, f) for f in ("decode_attention.c", "gemm_bf16.c"))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
 _OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
@@ -67,13 +79,15 @@ def _build(cc: str) -> str:
     """
     from arealite.utils.hf import cache_dir
 
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for src in _SOURCES:
+        with open(src, "rb") as f:
+            source += f.read() + b"\0"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     tag = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
-    path = os.path.join(out_dir, f"decode_attention-{tag}.so")
+    path = os.path.join(out_dir, f"arealite-native-{tag}.so")
     if os.path.exists(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
@@ -81,7 +95,7 @@ def _build(cc: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
-            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], capture_output=True,
+            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *_SOURCES, "-lm"], capture_output=True,
                                   text=True, timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} exited with {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}")
@@ -94,7 +108,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel library (built at the first call in this process), or None when it
     cannot be used here (the reason is logged once)."""
     if os.environ.get("AREALITE_NATIVE_KERNELS", "1") == "0":
-        logger.info("AREALITE_NATIVE_KERNELS=0: decode attention uses torch SDPA")
+        logger.info("AREALITE_NATIVE_KERNELS=0: decode attention uses torch SDPA, a bf16 LM head "
+                    "the fp32 GEMM")
         return None
     why = None
     if platform.system() != "Linux":
@@ -112,19 +127,22 @@ def library() -> ctypes.CDLL | None:
             path = _build(cc)
             lib = ctypes.CDLL(path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            why = f"building/loading {_SOURCE} failed: {e}"
+            why = f"building/loading {', '.join(_SOURCES)} failed: {e}"
         else:
             extra = _mapped_openmp_runtimes() - runtimes
             if extra:  # never expected: the soname matched torch's libgomp above
                 why = f"the kernel library brought a second OpenMP runtime {sorted(extra)}"
     if why is not None:
-        logger.warning("decode attention uses torch SDPA (slower on CPU): %s", why)
+        logger.warning("no native CPU kernels: decode attention uses torch SDPA, a bf16 LM head the "
+                       "fp32 GEMM (both slower): %s", why)
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (lib.decode_attention_bf16, lib.decode_attention_f32):
         fn.argtypes = [p, p, p, p, p] + [i64] * 10 + [ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
-    logger.info("decode attention: native CPU kernel %s (ready in %.1f s)", path, time.monotonic() - t0)
+    lib.gemm_bf16_f32.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
+    lib.gemm_bf16_f32.restype = ctypes.c_int
+    logger.info("native CPU kernels %s (ready in %.1f s)", path, time.monotonic() - t0)
     return lib
 
 
@@ -159,4 +177,42 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
     rc = fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), lens.data_ptr(),
             b, hkv, g, d, *k_buf.stride()[:3], *v_buf.stride()[:3], float(scale), torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+_NO_BF16_DOT = []  # set once the library reports it was built without AVX-512 BF16
+
+
+def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight.T`` of bfloat16 operands as float32: every product is exact (a bf16 x bf16
+    product fits fp32's mantissa) and summed in fp32, so the result equals
+    ``x.float() @ weight.float().T`` up to the order of the fp32 additions (relative ~1e-6).
+
+    Args:
+        x: ``[M, K]`` bfloat16 on the CPU, last dimension contiguous, ``K`` even.
+        weight: ``[N, K]`` bfloat16 on the CPU, last dimension contiguous (an ``nn.Linear``
+            weight, e.g. the LM head's ``[vocab, hidden]``).
+
+    Returns:
+        ``[M, N]`` float32, or None when the kernel cannot run here (not bf16, a CUDA tensor, odd
+        ``K``, no compiler, or a CPU without AVX-512 BF16): the caller then widens and uses the
+        fp32 GEMM.
+    """
+    if (_NO_BF16_DOT or x.device.type != "cpu" or weight.device.type != "cpu"
+            or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
+            or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] % 2
+            or x.stride(1) != 1 or weight.stride(1) != 1):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0 or n == 0:
+        return out
+    rc = lib.gemm_bf16_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0), out.data_ptr(),
+                           out.stride(0), m, n, k, torch.get_num_threads())
+    if rc == -1:  # compiled without __AVX512BF16__: this CPU has no bf16 dot product
+        _NO_BF16_DOT.append(True)
+        logger.info("this CPU has no AVX-512 BF16: a bf16 LM head uses the fp32 GEMM")
     return out if rc == 0 else None
