@@ -7,7 +7,9 @@ token sequences are scored by
 * the trainer: ``FSDPEngine.forward`` (1 rank) with ``mixed_precision`` none (fp32) and bf16
   (FSDP2 bf16 compute, fp32 LM head and logprobs);
 * the server's computation: the HF model in fp32 or bf16 with oneDNN packed linears, the
-  logits' ``log_softmax(logits.float() / T)`` (what ``arealite.server`` samples from).
+  logits' ``log_softmax(logits.float() / T)`` (what ``arealite.server`` samples from); in bf16
+  with the server's fp32 LM head (:func:`arealite.server.packed_linear.fp32_lm_head`, where the
+  native kernel runs) and, as "server bf16 head", with the bf16 head it had before.
 
 Printed for each pair over the completion tokens: mean, p99 and max ``|Δ log p|`` and the mean
 mismatch KL ``k3 = exp(Δ) − 1 − Δ`` with ``Δ = log p_server − log p_trainer`` (Schulman's k3
@@ -70,10 +72,12 @@ def trainer_logprobs(path, batch, mp, temperature):
 
 
 @torch.inference_mode()
-def server_logprobs(path, batch, dtype, temperature):
+def server_logprobs(path, batch, dtype, temperature, fp32_head=True):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if fp32_head:
+        packed_linear.fp32_lm_head(model)  # the server's: no-op for fp32 or without the kernel
     if packed_linear.available("cpu", dtype):
         packed_linear.pack_linears(model)
     out = torch.zeros(batch["input_ids"].shape)
@@ -103,18 +107,21 @@ def main():
     for name, fn in (("trainer fp32", lambda: trainer_logprobs(path, batch, "none", args.temperature)),
                      ("trainer bf16", lambda: trainer_logprobs(path, batch, "bf16", args.temperature)),
                      ("server fp32", lambda: server_logprobs(path, batch, torch.float32, args.temperature)),
-                     ("server bf16", lambda: server_logprobs(path, batch, torch.bfloat16, args.temperature))):
+                     ("server bf16", lambda: server_logprobs(path, batch, torch.bfloat16, args.temperature)),
+                     ("server bf16 head", lambda: server_logprobs(path, batch, torch.bfloat16, args.temperature,
+                                                                  fp32_head=False))):
         scores[name] = fn()
     print(f"SmolLM2-135M, {args.prompts} completions, {int(mask.sum())} completion tokens, "
           f"T={args.temperature}, {args.threads} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     for name, (_, secs) in scores.items():
-        print(f"  {name:<13} scored in {secs:6.2f} s")
+        print(f"  {name:<16} scored in {secs:6.2f} s")
     for a, b in (("trainer fp32", "server fp32"), ("trainer bf16", "server bf16"),
-                 ("trainer fp32", "server bf16"), ("trainer fp32", "trainer bf16")):
+                 ("trainer bf16", "server bf16 head"), ("trainer fp32", "server bf16"),
+                 ("trainer fp32", "trainer bf16")):
         d = (scores[b][0] - scores[a][0])[mask].double()
         k3 = (d.exp() - 1 - d).mean()
-        print(f"  {a} vs {b:<13}: |Δ log p| mean {d.abs().mean():.2e}  p99 {d.abs().quantile(0.99):.2e}  "
+        print(f"  {a} vs {b:<16}: |Δ log p| mean {d.abs().mean():.2e}  p99 {d.abs().quantile(0.99):.2e}  "
               f"max {d.abs().max():.2e}   mismatch KL (k3) {k3:.2e}")
 
 

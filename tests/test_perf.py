@@ -132,6 +132,46 @@ def test_bf16_server_runs_with_or_without_packed_bf16_support():
     assert len(reply["output_ids"]) == 4
 
 
+def _fp32_head_here() -> bool:
+    from arealite import native
+
+    return native.pack_bf16(torch.zeros(32, 4, dtype=torch.bfloat16)) is not None
+
+
+@pytest.mark.skipif(not _fp32_head_here(), reason="no native bf16 GEMM here (compiler, libgomp, AVX-512 BF16)")
+def test_fp32_lm_head_gives_fp32_logits_of_the_bf16_numbers_and_follows_weight_changes(tiny_model_dir):
+    """A bf16 model's head returns float32 logits equal to the fp32 product of its bf16 hidden
+    states and weight (no bf16 rounding of the logits), packed once and repacked after in-place
+    writes or invalidate(); grad mode and fp32 models keep the plain head."""
+    model = _tiny(tiny_model_dir, torch.bfloat16)
+    assert packed_linear.fp32_lm_head(model)
+    n_packed = packed_linear.pack_linears(model) if packed_linear.available("cpu", torch.bfloat16) else None
+    assert n_packed in (None, 2 * 7)  # the head gets no oneDNN copy
+    ids = torch.tensor([[5, 17, 900, 3, 44, 2]])
+
+    def check():
+        with torch.inference_mode():
+            hidden = model.model(input_ids=ids).last_hidden_state  # [1, 6, 64] bf16
+            logits = model(input_ids=ids).logits
+            ref = hidden.double() @ model.lm_head.weight.double().t()
+            bf16 = (hidden @ model.lm_head.weight.t()).double()  # what the bf16 head gave
+        assert logits.dtype == torch.float32 and logits.shape == ref.shape
+        assert (logits.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert (bf16 - ref).abs().max() > 100 * (logits.double() - ref).abs().max()
+        return logits
+
+    first = check()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # in place, version counter seen (tied: embeddings too)
+    assert not torch.allclose(check(), first)
+    model.lm_head.weight.data.mul_(-1.0)  # unseen by the version counter: needs invalidate()
+    packed_linear.invalidate(model)
+    torch.testing.assert_close(check(), first)
+    out = model(input_ids=ids).logits  # grad mode: the plain bf16 head, gradients flow
+    assert out.dtype == torch.bfloat16 and out.requires_grad
+    assert not packed_linear.fp32_lm_head(_tiny(tiny_model_dir, torch.float32))
+
+
 def test_embedded_model_serves_in_bf16_with_fp32_logprobs_near_the_fp32_model():
     """SmolLM2-135M in bf16 passes the server's start-up self-check (on token ids 1, 2, 3 its
     bf16 rounding reached 7.5 of 31 in the logits and refused every bf16 server) and its sampled
@@ -144,6 +184,7 @@ def test_embedded_model_serves_in_bf16_with_fp32_logprobs_near_the_fp32_model():
 
     path = default_model_path()
     s = Scheduler(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), max_batch_size=2)
+    assert s.fp32_head == _fp32_head_here()
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
     reply = _run(s, [(prompt, _greedy(12))])[0]
     out = reply["output_ids"]

@@ -69,13 +69,11 @@ static inline __attribute__((always_inline)) void micro(
 }
 #endif
 
-/* Row strides lda, ldb, ldc are in elements; the last dimension of each matrix is contiguous. */
-int gemm_bf16_f32(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float *C, int64_t ldc,
-                  int64_t M, int64_t N, int64_t K, int nthreads) {
-#ifndef __AVX512BF16__
-    return -1;
-#else
-    if (K % 2) return -2;
+#ifdef __AVX512BF16__
+/* The tile loop: B from its rows (B, ldb; packed here per thread) or pre-packed (Bp, layout of
+ * pack_bf16_vnni). */
+static int gemm_core(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, const uint32_t *Bp,
+                     float *C, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads) {
     int64_t npanels = (N + NR - 1) / NR;
     int64_t pg = npanels / (4 * (int64_t)nthreads);
     pg = pg < 1 ? 1 : pg > PG ? PG : pg;
@@ -83,22 +81,23 @@ int gemm_bf16_f32(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        uint32_t *panels = aligned_alloc(64, (size_t)PG * (KC / 2) * NR * 4);
-        if (panels == NULL) {
+        uint32_t *panels = Bp ? NULL : aligned_alloc(64, (size_t)PG * (KC / 2) * NR * 4);
+        if (!Bp && panels == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t gi = 0; gi < ngroups; gi++) {
-            if (panels == NULL) continue;
+            if (!Bp && panels == NULL) continue;
             int64_t p0 = gi * pg, p1 = p0 + pg < npanels ? p0 + pg : npanels;
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 int64_t kc = K - k0 < KC ? K - k0 : KC;
                 int acc = k0 > 0;
-                for (int64_t p = p0; p < p1; p++) {
-                    int64_t n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
-                    pack_panel(B, ldb, n0, nr, k0, kc, panels + (p - p0) * (KC / 2) * NR);
-                }
+                if (!Bp)
+                    for (int64_t p = p0; p < p1; p++) {
+                        int64_t n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
+                        pack_panel(B, ldb, n0, nr, k0, kc, panels + (p - p0) * (KC / 2) * NR);
+                    }
                 for (int64_t m = 0; m < M; m += MR) {
                     int64_t rest = M - m < MR ? M - m : MR;
                     const uint16_t *a = A + m * lda + k0;
@@ -106,7 +105,8 @@ int gemm_bf16_f32(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb
                         int64_t n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
                         __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
                         __mmask16 m1 = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
-                        const uint32_t *panel = panels + (p - p0) * (KC / 2) * NR;
+                        const uint32_t *panel = Bp ? Bp + p * (K / 2) * NR + (k0 / 2) * NR
+                                                   : panels + (p - p0) * (KC / 2) * NR;
                         float *c = C + m * ldc + n0;
                         switch (rest) {
 #define CASE(R) case R: micro(R, a, lda, panel, kc / 2, c, ldc, acc, m0, m1); break;
@@ -120,5 +120,45 @@ int gemm_bf16_f32(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb
         free(panels);
     }
     return failed ? -3 : 0;
+}
+#endif
+
+/* Row strides lda, ldb, ldc are in elements; the last dimension of each matrix is contiguous. */
+int gemm_bf16_f32(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float *C, int64_t ldc,
+                  int64_t M, int64_t N, int64_t K, int nthreads) {
+#ifndef __AVX512BF16__
+    return -1;
+#else
+    if (K % 2) return -2;
+    return gemm_core(A, lda, B, ldb, NULL, C, ldc, M, N, K, nthreads);
+#endif
+}
+
+/* B [N, K] (row stride ldb) into Bp: ceil(N / 32) panels of [K/2][32] bf16 pairs (zero columns
+ * past N), i.e. ceil(N / 32) * 32 * K bf16 values. For a weight multiplied many times (the
+ * server's LM head): gemm_bf16_f32_packed then skips the per-call packing. */
+int pack_bf16_vnni(const uint16_t *B, int64_t ldb, int64_t N, int64_t K, uint32_t *Bp, int nthreads) {
+#ifndef __AVX512BF16__
+    return -1;
+#else
+    if (K % 2) return -2;
+    int64_t npanels = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < npanels; p++) {
+        int64_t n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
+        pack_panel(B, ldb, n0, nr, 0, K, Bp + p * (K / 2) * NR);
+    }
+    return 0;
+#endif
+}
+
+/* gemm_bf16_f32 with B given as pack_bf16_vnni's Bp. */
+int gemm_bf16_f32_packed(const uint16_t *A, int64_t lda, const uint32_t *Bp, float *C, int64_t ldc,
+                         int64_t M, int64_t N, int64_t K, int nthreads) {
+#ifndef __AVX512BF16__
+    return -1;
+#else
+    if (K % 2) return -2;
+    return gemm_core(A, lda, NULL, 0, Bp, C, ldc, M, N, K, nthreads);
 #endif
 }

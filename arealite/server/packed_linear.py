@@ -165,6 +165,54 @@ def _fusable(members) -> bool:
                for m in members)
 
 
+def _fp32_head_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The bf16 LM head with float32 logits: ``x`` ``[..., H]`` -> ``[..., V]`` float32 from
+    :func:`arealite.native.linear_bf16_f32` on the weight packed once per weight version; the
+    module's bf16 forward when the kernel cannot take ``x``."""
+    from arealite import native
+
+    if not _needs_plain(module, x) and x.shape[-1] % 2 == 0:
+        if module._arealite_vnni_stamp != _stamp(module.weight):
+            module._arealite_vnni = native.pack_bf16(module.weight.detach())
+            module._arealite_vnni_stamp = _stamp(module.weight)
+        if module._arealite_vnni is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            y = native.linear_bf16_f32(rows if rows.stride(-1) == 1 else rows.contiguous(), module.weight,
+                                       module._arealite_vnni)
+            if y is not None:
+                if module.bias is not None:
+                    y += module.bias.float()
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+    return module._arealite_bf16_forward(x)
+
+
+def fp32_lm_head(model: torch.nn.Module) -> bool:
+    """Make a bf16 model's LM head return float32 logits computed from the bf16 hidden states and
+    weight with fp32 sums (:func:`arealite.native.linear_bf16_f32`, the weight packed once per
+    weight version), as the trainer's head does (:mod:`arealite.train_engine.lm_head`). A bf16
+    head rounds the logits to bf16 (steps of 0.125 at |logit| 16-32), and that rounding was most
+    of the bf16 server's logprob mismatch with the bf16 trainer: mismatch KL k3 6.3e-4 -> 1.3e-4,
+    mean |Δ log p| 2.4e-2 -> 3.1e-3 on SmolLM2-135M (``python benchmarks/precision.py``), at the
+    same speed as oneDNN's packed bf16 head. MiniMax-M1 (arXiv:2506.13585, section 3.3) found
+    the same and keeps its LM head in fp32.
+
+    Call before :func:`pack_linears` (the head then gets no oneDNN copy). Returns True when the
+    head now gives fp32 logits; False (nothing changed) for a model that is not bf16 on the CPU
+    or where the kernel cannot run (no compiler, a CPU without AVX-512 BF16).
+    """
+    from arealite import native
+
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu":
+        return False
+    if native.pack_bf16(head.weight.detach()[:32]) is None:  # the kernel runs here
+        return False
+    head._arealite_bf16_forward = head.forward
+    head._arealite_vnni, head._arealite_vnni_stamp = None, None
+    head.forward = types.MethodType(_fp32_head_forward, head)
+    return True
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Give every ``nn.Linear`` of ``model`` a packed weight and the packed forward (siblings
     named in :data:`FUSED_GROUPS` one packed weight per group, :class:`_FusedGroup`); returns how
@@ -182,7 +230,8 @@ def pack_linears(model: torch.nn.Module) -> int:
                     fused.add(m)
     n = len(fused)
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module not in fused:  # not PEFT/quantised subclasses
+        if (type(module) is torch.nn.Linear and module not in fused  # not PEFT/quantised subclasses
+                and not hasattr(module, "_arealite_vnni")):  # nor an fp32 LM head (fp32_lm_head)
             _pack(module)
             module.forward = types.MethodType(_packed_forward, module)
             n += 1
@@ -198,3 +247,5 @@ def invalidate(model: torch.nn.Module) -> None:
             module._arealite_stamp = None
         if hasattr(module, "_arealite_group"):
             module._arealite_group.forget()
+        if hasattr(module, "_arealite_vnni"):
+            module._arealite_vnni_stamp = None

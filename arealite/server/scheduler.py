@@ -93,6 +93,8 @@ class Scheduler:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         # oneDNN pre-packed linear weights on CPU (arealite/server/packed_linear.py); the
         # self-check below then compares the packed decode with a plain forward
+        # fp32 logits from a bf16 LM head, as the trainer's (packed_linear.fp32_lm_head)
+        self.fp32_head = packed_linear.fp32_lm_head(model)
         self.packed_linears = (packed_linear.pack_linears(model)
                                if use_packed_linear and packed_linear.available(self.device, dtype) else 0)
         self._weights_epoch = 0  # +1 at every weight load: KV computed before is not shared
@@ -255,7 +257,7 @@ class Scheduler:
         if version is not None:
             self.weight_version = version
         self._weights_epoch += 1
-        if self.packed_linears:
+        if self.packed_linears or self.fp32_head:
             packed_linear.invalidate(self.model)  # repacked lazily, off the reply's path
         if self.prefix_store is not None:
             self.prefix_store.clear()
