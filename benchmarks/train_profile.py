@@ -20,7 +20,7 @@ Printed: the step's wall time, the engine's model FLOPs (:data:`arealite.utils.p
 MFU over :func:`arealite.utils.perf.gemm_peak` of the compute dtype, the share of each group, and
 two bounds: the MFU if everything but matmul and attention took no time, and if everything but
 matmul did (attention FLOPs still counted). The profiled step is 5-15 % slower than an
-unprofiled one (the wall time of the last unprofiled step is printed too).
+unprofiled one: the MFU is that of the median of ``--steps`` unprofiled steps.
 
     flock /tmp/arealite_heavy.lock .venv/bin/python benchmarks/train_profile.py
     .venv/bin/python benchmarks/train_profile.py --precision none      # fp32
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -67,7 +68,8 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=16, help="0 = full fine-tuning")
     p.add_argument("--precision", choices=["auto", "none", "bf16"], default="auto")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="timed unprofiled steps (median), then 1 profiled")
     p.add_argument("--top", type=int, default=12, help="operators listed")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -87,10 +89,12 @@ def main() -> None:
         engine.initialize(model_dir)
         algo = GRPO(GRPOAlgoConfig(), engine, group_size=args.group)
         batch = grpo_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
-        for _ in range(args.warmup):
+        times = []
+        for i in range(args.warmup + args.steps):
             t = time.perf_counter()
             algo.update(dict(batch))
-            last = time.perf_counter() - t
+            times.append(time.perf_counter() - t)
+        last = statistics.median(times[args.warmup:])
         flops0 = perf.FLOPS.total
         with profile() as prof:
             t = time.perf_counter()
@@ -110,9 +114,9 @@ def main() -> None:
     print(f"{args.model} random init, LoRA rank {args.lora_rank or '0 (full fine-tuning)'}, {engine.precision}, "
           f"{args.threads} threads; {args.prompts} prompts x {args.group} samples, prompt {args.prompt_len} + "
           f"response {args.response} tokens; torch {torch.__version__}")
-    print(f"step {wall:.2f} s profiled ({last:.2f} s the step before, unprofiled); model FLOPs "
-          f"{flops / 1e12:.3f} TFLOP; {flops / wall / 1e9:.0f} GFLOP/s; GEMM peak {peak / 1e9:.0f} GFLOP/s "
-          f"({dtype}); MFU {100 * flops / wall / peak:.1f} % (unprofiled step: {100 * flops / last / peak:.1f} %)")
+    print(f"step {last:.2f} s (median of {args.steps} unprofiled), {wall:.2f} s profiled; model FLOPs "
+          f"{flops / 1e12:.3f} TFLOP; {flops / last / 1e9:.0f} GFLOP/s; GEMM peak {peak / 1e9:.0f} GFLOP/s "
+          f"({dtype}); MFU {100 * flops / last / peak:.1f} % (profiled step: {100 * flops / wall / peak:.1f} %)")
     for g, s in by_group.items():
         print(f"  {g:<13} {s:6.2f} s  {100 * s / wall:5.1f} %")
     mm, attn = by_group["matmul"], by_group["attention"]

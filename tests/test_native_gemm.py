@@ -1,7 +1,9 @@
-"""The native bf16 -> fp32 GEMM of the LM head (arealite/native/gemm_bf16.c): equal to the
-float64 product of the same bf16 numbers to fp32 accuracy for every edge of its blocking (row
-counts around the 14-row micro-kernel, columns around the 32-column panels, K across the 768
-block), strided rows; and the bf16 chunked LM head built on it equal to the widened fp32 head."""
+"""The native LM-head kernels (arealite/native/gemm_bf16.c, logits.c): the bf16 -> fp32 GEMM
+equal to the float64 product of the same bf16 numbers to fp32 accuracy for every edge of its
+blocking (row counts around the 14-row micro-kernel, columns around the 32-column panels, K
+across the 768 block), strided rows, pre-packed weights; the fused softmax statistics and bf16
+logit gradient equal to float64 references; and the bf16 chunked LM head built on them equal to
+the widened fp32 head (logprobs) and within bf16 rounding of float64 (gradients)."""
 
 import pytest
 import torch
@@ -45,14 +47,63 @@ def test_strided_rows_and_odd_or_unsupported_inputs():
     assert native.linear_bf16_f32(_bf16(0, 4, seed=0), _bf16(4, 4, seed=1)).shape == (0, 4)
 
 
-@pytest.mark.parametrize("chunk", [1000, 7])  # one chunk (probabilities kept) and the recompute path
-def test_bf16_head_gives_the_widened_fp32_logprobs_and_bf16_close_gradients(chunk):
-    """Whichever path runs here (kernel or widening), a bf16 head's logprobs and entropy equal the
-    fp32 head over the widened bf16 numbers; ∂hidden and ∂weight are within bf16 rounding of the
-    float64 gradients."""
+@needs_kernel
+def test_prepacked_weight_gives_the_same_product():
+    x, w = _bf16(29, 576, seed=8), _bf16(1000, 576, seed=9)
+    packed = native.pack_bf16(w)
+    assert packed.numel() == 32 * 32 * 576 // 2  # 1000 columns -> 32 panels of 32
+    assert torch.equal(native.linear_bf16_f32(x, w, packed), native.linear_bf16_f32(x, w))
+    with pytest.raises(ValueError, match="repack"):
+        native.linear_bf16_f32(x, w[:500], packed)
+
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler / libgomp here")
+
+
+@needs_library
+@pytest.mark.parametrize("v,std,scale", [(1, 1.0, 1.0), (50, 2.0, 1 / 0.7), (49152, 4.0, 1.0), (3000, 40.0, 2.0)])
+def test_softmax_stats_equal_float64(v, std, scale):
+    g = torch.Generator().manual_seed(v)
+    logits = torch.randn(37, v, generator=g) * std
+    labels = torch.randint(0, v, (37,), generator=g)
+    lp, ent, lse = native.softmax_stats(logits, labels, scale)
+    z = logits.double() * scale
+    ref_lse = z.logsumexp(-1)
+    logp = z - ref_lse[:, None]
+    ref_lp, ref_ent = logp.gather(1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    tol = 1e-6 * (1 + z.abs().max().item())  # a few fp32 ulps of the largest |z|
+    for got, ref in ((lp, ref_lp), (ent, ref_ent), (lse, ref_lse)):
+        assert got.dtype == torch.float32 and (got.double() - ref).abs().max() <= tol
+
+
+@needs_library
+def test_logprob_grad_bf16_equals_float64_rounded_once():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 777, generator=g) * 3
+    labels = torch.randint(0, 777, (9,), generator=g)
+    g_lp = torch.randn(9, generator=g)
+    _, _, lse = native.softmax_stats(logits, labels, 0.5)
+    got = native.logprob_grad_bf16(logits, lse, g_lp, labels, 0.5)
+    z = logits.double() * 0.5
+    ref = -torch.softmax(z, -1)
+    ref[torch.arange(9), labels] += 1
+    ref *= 0.5 * g_lp.double()[:, None]
+    assert got.dtype == torch.bfloat16
+    # one rounding to bf16 (relative 2^-8 at most) of a value accurate to fp32
+    assert ((got.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-7).all()
+    with pytest.raises(ValueError, match="labels must lie in"):
+        native.softmax_stats(logits, labels + 777, 1.0)
+
+
+@pytest.mark.parametrize("chunk,head_grad", [(1000, True), (7, True), (1000, False), (7, False)])
+def test_bf16_head_gives_the_widened_fp32_logprobs_and_bf16_close_gradients(chunk, head_grad):
+    """Whichever path runs here (kernels or torch ops), a bf16 head's logprobs and entropy equal
+    the fp32 head over the widened bf16 numbers; ∂hidden (and ∂weight when the head trains; a
+    frozen head, as under LoRA, takes the fused bf16 gradient) are within bf16 rounding of the
+    float64 gradients; one chunk (logits kept) and several (recomputed)."""
     n, h, v = 60, 64, 300
     hidden = (_bf16(n, h, seed=4) * 2).requires_grad_()
-    weight = _bf16(v, h, seed=5).requires_grad_()
+    weight = _bf16(v, h, seed=5).requires_grad_(head_grad)
     labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(6))
     lp, ent = chunked_logprobs_entropy(hidden, weight, labels, 0.7, chunk)
     hd, wd = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
@@ -61,8 +112,9 @@ def test_bf16_head_gives_the_widened_fp32_logprobs_and_bf16_close_gradients(chun
     torch.testing.assert_close(lp, lp_ref.float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ent_ref.float(), rtol=1e-5, atol=1e-5)
     g_out = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    gh, gw = torch.autograd.grad((lp * g_out).sum(), [hidden, weight])
-    rh, rw = torch.autograd.grad((lp_ref * g_out.double()).sum(), [hd, wd])
-    assert gh.dtype == gw.dtype == torch.bfloat16
-    for got, ref in ((gh, rh), (gw, rw)):
+    params = [hidden, weight] if head_grad else [hidden]
+    got = torch.autograd.grad((lp * g_out).sum(), params)
+    refs = torch.autograd.grad((lp_ref * g_out.double()).sum(), [hd, wd][:len(params)])
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    for got, ref in zip(got, refs):
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2

@@ -52,7 +52,26 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return logits
 
 
+def _torch_stats(z: torch.Tensor, labels: torch.Tensor, t: float):
+    """(logprob [c], entropy [c], lse [c], p [c, V]) of raw logits z [c, V] with torch ops; z's
+    buffer is reused (it holds log p afterwards)."""
+    if t != 1.0:
+        z.div_(t)
+    lse = z.logsumexp(-1)  # [c]
+    logprob = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    logp = z.sub_(lse[:, None])  # log p, in z's buffer [c, V]
+    p = torch.exp(logp)  # [c, V]
+    # −Σ p log p (not lse − Σ p z, which cancels catastrophically at low entropy)
+    entropy = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)
+    return logprob, entropy, lse, p
+
+
 class _ChunkedLogprobEntropy(torch.autograd.Function):
+    """Two implementations of the same formulas (module docstring): on the CPU with the native
+    library, each chunk's softmax statistics are :func:`arealite.native.softmax_stats` and, for a
+    bf16 model whose head weight and bias get no gradient (LoRA, a frozen head), the logit
+    gradient is :func:`arealite.native.logprob_grad_bf16`; elsewhere torch ops."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size):
         t = _scale(temperature)
@@ -60,23 +79,28 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
-        # One chunk only: keep its probabilities for backward instead of recomputing them
-        # (still one [c, V] buffer; saves the recompute matmul).
-        keep_probs = n <= chunk_size and any(ctx.needs_input_grad[:3])
-        ctx.probs = None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        # float64 inputs keep torch's ops: the reference path of the tests
+        native_ok = hidden.device.type == "cpu" and hidden.dtype != torch.float64 and native.library() is not None
+        ctx.fused_grad = native_ok and hidden.dtype == torch.bfloat16 and need_h and not need_w and not need_b
+        # One chunk only: keep its logits (fused gradient) or probabilities for backward instead
+        # of recomputing them (still one [c, V] buffer; saves the recompute matmul).
+        keep = n <= chunk_size and (need_h or need_w or need_b)
+        ctx.kept = None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
-            lse = z.logsumexp(-1)  # [c]
-            logprobs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
-            lse_all[s:e] = lse
-            logp = z.sub_(lse[:, None])  # log p, in z's buffer [c, V]
-            p = torch.exp(logp)  # [c, V]
-            # −Σ p log p (not lse − Σ p z, which cancels catastrophically at low entropy)
-            entropy[s:e] = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)
-            if keep_probs:
-                ctx.probs = p
-            del z, logp, p
+            z = _chunk_logits(hidden[s:e], weight, bias, 1.0)  # [c, V] raw logits
+            stats = native.softmax_stats(z, labels[s:e], 1.0 / t) if native_ok else None
+            if stats is not None:
+                logprobs[s:e], entropy[s:e], lse_all[s:e] = stats
+                if keep:
+                    ctx.kept = z if ctx.fused_grad else z.mul_(1.0 / t).sub_(lse_all[s:e, None]).exp_()
+            else:
+                logprobs[s:e], entropy[s:e], lse_all[s:e], p = _torch_stats(z, labels[s:e], t)
+                if keep:
+                    ctx.kept = p
+                del p
+            del z
         ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
         ctx.temperature, ctx.chunk_size = t, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -99,8 +123,15 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         w_mm = weight.float() if weight.dtype == torch.float16 else weight
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            if ctx.probs is not None:  # single chunk, probabilities kept from forward
-                g = ctx.probs * -g_lp[:, None]  # −g·p [N, V]
+            if ctx.fused_grad:  # bf16 model, only ∂hidden: g straight into bf16
+                z = ctx.kept if ctx.kept is not None else _chunk_logits(hidden[s:e], weight, bias, 1.0)
+                g = native.logprob_grad_bf16(z, lse_all[s:e], g_lp[s:e], labels[s:e], 1.0 / t)  # [c, V]
+                del z
+                grad_h[s:e] = g @ weight  # [c, H] bf16, fp32 sums
+                del g
+                continue
+            if ctx.kept is not None:  # single chunk, probabilities kept from forward
+                g = ctx.kept.mul_(-g_lp[:, None])  # −g·p [N, V], in place: used once
             else:
                 z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
                 # g_logits = g_lp · (onehot(y) − p) / T, built in place in z's buffer
@@ -116,7 +147,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if need_b:
                 grad_b += g.sum(0)
             del g
-        ctx.probs = None
+        ctx.kept = None
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None
