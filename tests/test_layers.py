@@ -20,6 +20,7 @@ RANKS = {
     "api": 0,  # contracts: configs, dataclasses, the ABCs, the weight-update wire format
     "utils": 1,  # processes, HF loading, recover checkpoints, stats logger, timeline
     "sandbox": 2,  # the code sandbox (model-written programs in a limited process)
+    "native": 2,  # C kernels built at first use: decode attention, the bf16 LM head (GEMM, softmax)
     "reward": 3, "algorithms": 3,  # verifiers (the code reward runs programs in the sandbox) and metrics; losses
     "env": 3,  # environments with tools and state (search index, store database, simulated users)
     "dataset": 4,  # rows, loaders (math rows carry answers normalised by arealite.reward)

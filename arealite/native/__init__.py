@@ -9,18 +9,18 @@
   after the GEMM (logprob, entropy and logsumexp of each row; the logprob gradient as bf16), two
   passes per row instead of 5-6 whole-chunk tensor ops and their temporaries.
 
-Why decode attention: for one query token per row, torch's SDPA on CPU (its flash kernel) reads every row up to
-the longest row's length and runs many tiny GEMMs; on a 2-core AVX-512 machine it moved 7-14
-GB/s over the KV cache and took 36-42 % of a bf16 decode step. The kernel reads each row's own
-positions once for all query heads of a KV head (``python benchmarks/server_profile.py``;
+Why decode attention: for one query token per row, torch's SDPA on CPU (its flash kernel) reads
+every row up to the longest row's length and runs many tiny GEMMs; on a 2-core AVX-512 machine it
+moved 7-14 GB/s over the KV cache and took 36-42 % of a bf16 decode step. The kernel reads each
+row's own positions once for all query heads of a KV head (``python benchmarks/server_profile.py``;
 docs/performance.md has the figures).
 
 Why the GEMM: torch 2.13 has no CPU matmul of bf16 inputs with an fp32 output (``aten::mm.dtype``
 has no CPU kernel; ``mm(out=fp32)`` is refused), so an fp32 LM head over bf16 hidden states had to
 widen both operands and run the fp32 GEMM, 4-5x slower than bf16 on a CPU with AVX-512 BF16
 (46 % of a bf16 RL step). Products of two bf16 numbers are exact in fp32, so this kernel's
-logits equal the widened fp32 GEMM's up to the order of the fp32 sums (``python
-benchmarks/lm_head.py``).
+logits equal the widened fp32 GEMM's up to the order of the fp32 sums
+(``tests/test_native_gemm.py``; speed in docs/performance.md, ``benchmarks/train_profile.py``).
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp``, into
 ``<cache_dir()>/kernels/`` under a name hashing the source, the flags, the compiler's version and
@@ -31,9 +31,11 @@ mapped: the dynamic linker then binds it to that library, so the kernel runs on 
 pool (a second pool would make both pools sleep between parallel regions; see
 :func:`arealite.utils.proc.run_in_short_lived_thread`).
 
-When the kernel cannot be used (no compiler, a failed build, torch without libgomp, not Linux, a
-CUDA tensor, a dtype other than bfloat16/float32, ``AREALITE_NATIVE_KERNELS=0``), callers use
-SDPA; the reason is logged once at WARNING (INFO for the explicit opt-out).
+When a kernel cannot be used (no compiler, a failed build, torch without libgomp, not Linux, a
+CUDA tensor, an unsupported dtype or shape, a CPU without AVX-512 BF16 for the GEMM,
+``AREALITE_NATIVE_KERNELS=0``), its function returns None and the caller runs torch ops instead
+(SDPA; the widened fp32 GEMM; a bf16 head in the server); a missing library's reason is logged
+once at WARNING (INFO for the explicit opt-out).
 """
 
 from __future__ import annotations
