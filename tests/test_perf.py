@@ -45,6 +45,71 @@ def test_packed_linears_equal_plain_and_follow_weight_changes(tiny_model_dir):
     assert out.requires_grad and (out - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def test_every_weight_loader_is_seen_by_the_packed_copies_without_invalidate(tiny_model_dir, tmp_path):
+    """The scheduler calls no invalidate() after a weight load: a distributed bucket, a folder of
+    full weights and an fp32 LoRA merge each bump the changed weights' version counters, so the
+    packed model equals a plain model given the same load."""
+    from arealite.server.weights import load_named_tensors, load_weights_from_disk
+
+    model, ref = _tiny(tiny_model_dir), _tiny(tiny_model_dir)
+    packed_linear.pack_linears(model)
+    ids = torch.tensor([[5, 17, 900, 3, 44, 2]])
+
+    def assert_same():
+        with torch.inference_mode():
+            a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+    assert_same()
+    g = torch.Generator().manual_seed(0)
+    up, q = "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+    bucket = {k: torch.randn(ref.state_dict()[k].shape, generator=g) for k in (up, q)}
+    for m in (model, ref):
+        load_named_tensors(m, bucket)
+    assert_same()
+    other = _tiny(tiny_model_dir)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    other.save_pretrained(str(tmp_path / "full"))
+    for m in (model, ref):
+        load_weights_from_disk(m, str(tmp_path / "full"))
+    assert_same()
+    name = "model.layers.0.self_attn.v_proj"
+    out_f, in_f = ref.get_submodule(name).weight.shape
+    lora = {name + ".lora_A.weight": torch.randn(4, in_f, generator=g),
+            name + ".lora_B.weight": torch.randn(out_f, 4, generator=g)}
+    for m in (model, ref):
+        load_named_tensors(m, lora)  # fp32: merged into the weight
+    assert_same()
+
+
+@pytest.mark.skipif(not packed_linear.available("cpu", torch.bfloat16), reason="no oneDNN bf16 packing here")
+def test_bf16_lora_load_repacks_nothing(tiny_model_dir, monkeypatch):
+    """A bf16 server serves LoRA unmerged: its weights do not change, so no packed copy is
+    rebuilt (the scheduler no longer marks all of them stale per version); the adapter still
+    changes the output."""
+    from arealite.server.weights import load_named_tensors
+
+    model = _tiny(tiny_model_dir, torch.bfloat16)
+    packed_linear.pack_linears(model)
+    ids = torch.tensor([[5, 17, 900, 3, 44, 2]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    packs = []
+    real_pack, real_group_pack = packed_linear._pack, packed_linear._FusedGroup.pack
+    monkeypatch.setattr(packed_linear, "_pack", lambda m: packs.append(m) or real_pack(m))
+    monkeypatch.setattr(packed_linear._FusedGroup, "pack", lambda self: packs.append(self) or real_group_pack(self))
+    name = "model.layers.0.mlp.down_proj"
+    out_f, in_f = model.get_submodule(name).weight.shape
+    g = torch.Generator().manual_seed(1)
+    load_named_tensors(model, {name + ".lora_A.weight": torch.randn(4, in_f, generator=g),
+                               name + ".lora_B.weight": torch.randn(out_f, 4, generator=g)})
+    with torch.inference_mode():
+        after = model(input_ids=ids).logits
+    assert packs == [] and (after.float() - before.float()).abs().max() > 1e-2
+
+
 def test_fused_siblings_run_one_gemm_per_group_and_equal_plain(tiny_model_dir, monkeypatch):
     """q/k/v and gate/up of each layer share one packed GEMM (4 calls per layer instead of 7,
     plus the head), with the same logits as the unpacked model; a grad-mode call is plain."""

@@ -12,9 +12,9 @@ fp32 (``benchmarks/server_profile.py``): [32, 576] x [576, 1536] 66 -> 97 GFLOP/
 The HF model code is unchanged: each ``nn.Linear`` keeps its ``weight`` parameter (weight loads
 by name, LoRA merges and direct calls of the model work as before) and gets a packed copy that
 its forward uses inside ``torch.inference_mode`` / ``no_grad``. The copy doubles the memory of
-the linear weights. It is rebuilt on first use after :func:`invalidate` (the scheduler calls it
-after every weight load) and, as a safety net, whenever the weight's storage or version counter
-changed since it was packed.
+the linear weights. It is rebuilt on first use whenever the weight's storage or version counter
+changed since it was packed (every weight loader of the server writes in place, bumping the
+counter), or after :func:`invalidate`.
 
 oneDNN builds (JIT-compiles) one primitive per input row count and keeps it in two caches of 1024
 entries each (oneDNN's and ideep's), about 0.6-1 MiB apiece. A server sees every row count from 1
@@ -239,9 +239,10 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 
 def invalidate(model: torch.nn.Module) -> None:
-    """Mark every packed copy stale after the weights changed: each layer repacks on its next
-    forward (~0.5 s for all of SmolLM2-135M's on one thread), so a weight load's reply does not
-    wait for it."""
+    """Mark every packed copy stale after the weights changed in a way their version counters
+    do not show (a write through ``.data``): each layer repacks on its next forward (~0.5 s for
+    all of SmolLM2-135M's on one thread). The server's own loaders bump the counters, so the
+    scheduler does not call this."""
     for module in model.modules():
         if hasattr(module, "_arealite_packed"):
             module._arealite_stamp = None

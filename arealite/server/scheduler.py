@@ -257,8 +257,11 @@ class Scheduler:
         if version is not None:
             self.weight_version = version
         self._weights_epoch += 1
-        if self.packed_linears or self.fp32_head:
-            packed_linear.invalidate(self.model)  # repacked lazily, off the reply's path
+        # Packed weight copies (packed_linear) need no invalidate() here: every loader of
+        # arealite.server.weights writes in place with ops that bump the weights' version
+        # counters, so exactly the changed weights are repacked lazily at their next use (a
+        # bf16 LoRA adapter, served unmerged, changes none: no ~0.5 s repack of the whole model
+        # per version). tests/test_perf.py checks each loader.
         if self.prefix_store is not None:
             self.prefix_store.clear()
         self._staged_done = 0  # a staged prompt is prefilled again with the new weights
