@@ -16,17 +16,29 @@ def _bf16(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-def _has_kernel() -> bool:
-    return native.linear_bf16_f32(_bf16(2, 4, seed=0), _bf16(3, 4, seed=1)) is not None
+_AVAILABLE = {"native": native._native_bf16_dot, "onednn": native._onednn_bf16_math}
 
 
-needs_kernel = pytest.mark.skipif(not _has_kernel(), reason="no compiler, libgomp or AVX-512 BF16 here")
+@pytest.fixture(autouse=True)
+def _choose_backend_again():
+    """Each test chooses the GEMM backend afresh (``AREALITE_BF16_GEMM`` as it sets it)."""
+    native.bf16_gemm_backend.cache_clear()
+    yield
+    native.bf16_gemm_backend.cache_clear()
 
 
-@needs_kernel
+@pytest.fixture(params=["native", "onednn"])
+def backend(request, monkeypatch):
+    """Each GEMM backend in turn (``AREALITE_BF16_GEMM``), skipped where it cannot run."""
+    if not _AVAILABLE[request.param]():
+        pytest.skip(f"the {request.param} bf16 GEMM cannot run here (no compiler/libgomp, AVX-512 BF16 or oneDNN bf16)")
+    monkeypatch.setenv("AREALITE_BF16_GEMM", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 1, 2), (13, 31, 8), (14, 32, 64), (15, 33, 576), (29, 1000, 576),
                                    (40, 65, 770), (3, 7, 1538), (300, 96, 96)])
-def test_equals_float64_product_of_the_same_bf16_numbers(m, n, k):
+def test_equals_float64_product_of_the_same_bf16_numbers(backend, m, n, k):
     x, w = _bf16(m, k, seed=m), _bf16(n, k, seed=n + 1)
     out = native.linear_bf16_f32(x, w)
     ref = x.double() @ w.double().t()
@@ -36,8 +48,7 @@ def test_equals_float64_product_of_the_same_bf16_numbers(m, n, k):
     assert ((out.double() - ref).abs() <= bound).all()
 
 
-@needs_kernel
-def test_strided_rows_and_odd_or_unsupported_inputs():
+def test_strided_rows_and_odd_or_unsupported_inputs(backend):
     big_x, big_w = _bf16(20, 100, seed=2), _bf16(50, 100, seed=3)
     x, w = big_x[::2, 10:74], big_w[5:45, 20:84]  # row strides 200 and 100, K = 64
     torch.testing.assert_close(native.linear_bf16_f32(x, w), x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
@@ -47,14 +58,34 @@ def test_strided_rows_and_odd_or_unsupported_inputs():
     assert native.linear_bf16_f32(_bf16(0, 4, seed=0), _bf16(4, 4, seed=1)).shape == (0, 4)
 
 
-@needs_kernel
-def test_prepacked_weight_gives_the_same_product():
+def test_prepacked_weight_gives_the_same_product(backend):
     x, w = _bf16(29, 576, seed=8), _bf16(1000, 576, seed=9)
     packed = native.pack_bf16(w)
-    assert packed.numel() == 32 * 32 * 576 // 2  # 1000 columns -> 32 panels of 32
+    if backend == "native":
+        assert packed.numel() == 32 * 32 * 576 // 2  # 1000 columns -> 32 panels of 32
+    else:
+        assert packed.dtype == torch.float32 and torch.equal(packed, w.float())
     assert torch.equal(native.linear_bf16_f32(x, w, packed), native.linear_bf16_f32(x, w))
     with pytest.raises(ValueError, match="repack"):
         native.linear_bf16_f32(x, w[:500], packed)
+
+
+def test_backend_is_chosen_by_measurement_and_can_be_forced(monkeypatch, caplog):
+    found = [b for b, ok in _AVAILABLE.items() if ok()]
+    monkeypatch.setenv("AREALITE_BF16_GEMM", "auto")
+    with caplog.at_level("INFO", logger="arealite.native"):
+        choice = native.bf16_gemm_backend()
+    assert choice in found if found else choice is None
+    if len(found) == 2:  # both timed, both named in the log line
+        assert all(f"{b} " in caplog.text and " ms" in caplog.text for b in found)
+    for forced in found:
+        monkeypatch.setenv("AREALITE_BF16_GEMM", forced)
+        native.bf16_gemm_backend.cache_clear()
+        assert native.bf16_gemm_backend() == forced
+    monkeypatch.setenv("AREALITE_BF16_GEMM", "fast")
+    native.bf16_gemm_backend.cache_clear()
+    with pytest.raises(ValueError, match="AREALITE_BF16_GEMM must be auto, native or onednn"):
+        native.bf16_gemm_backend()
 
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler / libgomp here")
@@ -95,12 +126,15 @@ def test_logprob_grad_bf16_equals_float64_rounded_once():
         native.softmax_stats(logits, labels + 777, 1.0)
 
 
+@pytest.mark.parametrize("gemm", ["native", "onednn"])
 @pytest.mark.parametrize("chunk,head_grad", [(1000, True), (7, True), (1000, False), (7, False)])
-def test_bf16_head_gives_the_widened_fp32_logprobs_and_bf16_close_gradients(chunk, head_grad):
-    """Whichever path runs here (kernels or torch ops), a bf16 head's logprobs and entropy equal
+def test_bf16_head_gives_the_widened_fp32_logprobs_and_bf16_close_gradients(chunk, head_grad, gemm, monkeypatch):
+    """Whichever path runs here (either GEMM backend, kernels or torch ops; a backend that
+    cannot run here leaves the widened fp32 GEMM), a bf16 head's logprobs and entropy equal
     the fp32 head over the widened bf16 numbers; ∂hidden (and ∂weight when the head trains; a
     frozen head, as under LoRA, takes the fused bf16 gradient) are within bf16 rounding of the
     float64 gradients; one chunk (logits kept) and several (recomputed)."""
+    monkeypatch.setenv("AREALITE_BF16_GEMM", gemm)
     n, h, v = 60, 64, 300
     hidden = (_bf16(n, h, seed=4) * 2).requires_grad_()
     weight = _bf16(v, h, seed=5).requires_grad_(head_grad)

@@ -21,6 +21,9 @@ widen both operands and run the fp32 GEMM, 4-5x slower than bf16 on a CPU with A
 (46 % of a bf16 RL step). Products of two bf16 numbers are exact in fp32, so this kernel's
 logits equal the widened fp32 GEMM's up to the order of the fp32 sums
 (``tests/test_native_gemm.py``; speed in docs/performance.md, ``benchmarks/train_profile.py``).
+On a CPU with AMX, oneDNN's tile units do the same product faster through torch's fp32 matmul
+with bf16 inputs allowed (``torch.backends.mkldnn.matmul.fp32_precision``): which of the two
+runs is measured once per process (:func:`bf16_gemm_backend`).
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp``, into
 ``<cache_dir()>/kernels/`` under a name hashing the source, the flags, the compiler's version and
@@ -32,7 +35,7 @@ pool (a second pool would make both pools sleep between parallel regions; see
 :func:`arealite.utils.proc.run_in_short_lived_thread`).
 
 When a kernel cannot be used (no compiler, a failed build, torch without libgomp, not Linux, a
-CUDA tensor, an unsupported dtype or shape, a CPU without AVX-512 BF16 for the GEMM,
+CUDA tensor, an unsupported dtype or shape, a CPU with neither AVX-512 BF16 nor oneDNN bf16 for the GEMM,
 ``AREALITE_NATIVE_KERNELS=0``), its function returns None and the caller runs torch ops instead
 (SDPA; the widened fp32 GEMM; a bf16 head in the server); a missing library's reason is logged
 once at WARNING (INFO for the explicit opt-out).
@@ -40,6 +43,7 @@ once at WARNING (INFO for the explicit opt-out).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -191,44 +195,152 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     return out if rc == 0 else None
 
 
-_NO_BF16_DOT = []  # set once the library reports it was built without AVX-512 BF16
+_GEMM_BACKENDS = ("native", "onednn")
+_PROBE = (128, 8192, 576)  # M, N, K of the shape timed to choose the backend
 
 
-def _bf16_dot_lib(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library when ``tensors`` (2-D bf16 CPU matrices, last dimension contiguous, even
-    width) can go through the bf16 GEMM here, else None."""
-    if _NO_BF16_DOT or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 2
-                           or t.shape[1] % 2 or t.stride(1) != 1 for t in tensors):
-        return None
-    return library()
+def _onednn_bf16_math() -> bool:
+    """Whether torch can run an fp32 matmul through oneDNN with bf16 inputs
+    (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) on a CPU that multiplies bf16."""
+    return (hasattr(torch.backends.mkldnn, "matmul") and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _check(rc: int) -> bool:
-    if rc == -1:  # compiled without __AVX512BF16__: this CPU has no bf16 dot product
-        _NO_BF16_DOT.append(True)
-        logger.info("this CPU has no AVX-512 BF16: a bf16 LM head uses the fp32 GEMM")
-    return rc == 0
+@contextlib.contextmanager
+def _bf16_math():
+    """oneDNN may round fp32 matmul inputs to bf16 (products exact, sums and output fp32) inside
+    the block. The setting is process-wide: an fp32 matmul in another thread during the block
+    would be rounded too (the trainer's and server's other threads multiply nothing)."""
+    mm = torch.backends.mkldnn.matmul
+    old = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mm.fp32_precision = old
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [N, K] bf16 in the layout :func:`linear_bf16_f32` multiplies (``ceil(N/32)``
-    panels of ``[K/2, 32]`` pairs: ``ceil(N/32)·32·K`` bf16 values, as int32 pairs), for a weight
-    multiplied many times between changes (the server's LM head): the call then skips its
-    per-call packing (~2.5 ms for a [49152, 576] head on 2 cores). None where the kernel cannot
-    run (see :func:`linear_bf16_f32`)."""
-    lib = _bf16_dot_lib(weight)
+def _native_bf16_dot() -> bool:
+    """Whether the native library runs here and was built with AVX-512 BF16 (its GEMM returns
+    -1 otherwise)."""
+    lib = library()
     if lib is None:
-        return None
+        return False
+    a = torch.zeros(2, 2, dtype=torch.bfloat16)
+    out = torch.empty(2, 2, dtype=torch.float32)
+    return lib.gemm_bf16_f32(a.data_ptr(), 2, a.data_ptr(), 2, out.data_ptr(), 2, 2, 2, 2, 1) == 0
+
+
+@functools.cache
+def bf16_gemm_backend() -> str | None:
+    """How :func:`linear_bf16_f32` multiplies on this machine, chosen once per process by
+    measurement: ``"native"`` (``gemm_bf16.c``, AVX-512 BF16 ``vdpbf16ps``) or ``"onednn"``
+    (torch's fp32 matmul with ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``: oneDNN
+    rounds the inputs to bf16 — exact here, they are bf16 numbers — and sums in fp32; on a CPU
+    with AMX it runs on the tile units). Each available one multiplies a
+    ``[128, 576] · [576, 8192]`` product (the weight pre-packed) three times; the faster wins
+    (about 30 ms, logged at INFO). On the 2-core Intel Xeon with AMX (2026-12-05) oneDNN was
+    3.3x faster for 1,024 rows, 2.4x for 32 and slower only at 8 rows or fewer; on the 2-core
+    AMD EPYC with AVX-512 BF16 and no AMX the native kernel was built because oneDNN had no
+    such path in torch's CPU matmul (docs/performance.md).
+
+    ``AREALITE_BF16_GEMM`` = ``native`` / ``onednn`` forces one (``auto``, the default,
+    measures). Returns None when neither can run here (no AVX-512 BF16 or AMX, or both
+    unavailable): the callers then widen to fp32.
+
+    Raises:
+        ValueError: ``AREALITE_BF16_GEMM`` is not ``auto``, ``native`` or ``onednn``.
+    """
+    want = os.environ.get("AREALITE_BF16_GEMM", "auto")
+    if want not in ("auto", *_GEMM_BACKENDS):
+        raise ValueError(f"AREALITE_BF16_GEMM must be auto, native or onednn, got {want!r}")
+    found = [b for b, ok in (("native", _native_bf16_dot), ("onednn", _onednn_bf16_math))
+             if want in ("auto", b) and ok()]
+    if len(found) < 2:
+        choice = found[0] if found else None
+        logger.info("bf16 -> fp32 GEMM: %s (AREALITE_BF16_GEMM=%s)", choice or "none, fp32 widening", want)
+        return choice
+    m, n, k = _PROBE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    times = {}
+    for backend in found:
+        packed = _pack(w, backend)
+        best = float("inf")
+        for _ in range(4):  # the first one warms up
+            t = time.perf_counter()
+            _linear(x, w, packed, backend)
+            best = min(best, time.perf_counter() - t)
+        times[backend] = best
+    choice = min(times, key=times.get)
+    logger.info("bf16 -> fp32 GEMM: %s (measured [%d,%d]x[%d,%d]: %s)", choice, m, k, k, n,
+                ", ".join(f"{b} {1e3 * s:.2f} ms" for b, s in times.items()))
+    return choice
+
+
+def _gemm_ok(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` (2-D bf16 CPU matrices, last dimension contiguous, even width) can go
+    through the bf16 -> fp32 GEMM here."""
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 2
+                           or t.shape[1] % 2 or t.stride(1) != 1 for t in tensors):
+        return False
+    return bf16_gemm_backend() is not None
+
+
+def _pack(weight: torch.Tensor, backend: str) -> torch.Tensor | None:
+    if backend == "onednn":
+        return weight.float()  # oneDNN reorders it per call; the fp32 copy saves the widening
+    lib = library()
     n, k = weight.shape
     packed = torch.empty(-(-n // 32) * 32 * k // 2, dtype=torch.int32)
     rc = lib.pack_bf16_vnni(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(), torch.get_num_threads())
-    return packed if _check(rc) else None
+    return packed if rc == 0 else None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, backend: str) -> torch.Tensor | None:
+    (m, k), n = x.shape, weight.shape[0]
+    if backend == "onednn":
+        if packed is not None and (packed.shape != weight.shape or packed.dtype != torch.float32):
+            raise ValueError(f"linear_bf16_f32: packed is {packed.dtype} {tuple(packed.shape)}, not the fp32 "
+                             f"copy of a [{n}, {k}] weight; repack it with pack_bf16(weight)")
+        w32 = packed if packed is not None else weight.float()
+        with _bf16_math():
+            return torch.mm(x.float(), w32.t())
+    lib = library()
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0 or n == 0:
+        return out
+    if packed is not None:
+        if packed.numel() != -(-n // 32) * 32 * k // 2:
+            raise ValueError(f"linear_bf16_f32: packed has {packed.numel()} pairs, not those of a "
+                             f"[{n}, {k}] weight; repack it with pack_bf16(weight)")
+        rc = lib.gemm_bf16_f32_packed(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(),
+                                      out.stride(0), m, n, k, torch.get_num_threads())
+    else:
+        rc = lib.gemm_bf16_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                               out.data_ptr(), out.stride(0), m, n, k, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] bf16 in the form :func:`linear_bf16_f32` multiplies fastest on this
+    machine's :func:`bf16_gemm_backend`, for a weight multiplied many times between changes (the
+    server's LM head; the trainer's head across its chunks): ``native``: ``ceil(N/32)`` VNNI
+    panels of ``[K/2, 32]`` pairs (``ceil(N/32)·32·K`` bf16 values as int32 pairs; saves
+    ~2.5 ms per call for a [49152, 576] head on 2 cores); ``onednn``: the [N, K] float32 copy
+    (saves the widening, ~23 ms for that head). None where the GEMM cannot run (see
+    :func:`linear_bf16_f32`)."""
+    if not _gemm_ok(weight):
+        return None
+    return _pack(weight, bf16_gemm_backend())
 
 
 def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ weight.T`` of bfloat16 operands as float32: every product is exact (a bf16 x bf16
     product fits fp32's mantissa) and summed in fp32, so the result equals
     ``x.float() @ weight.float().T`` up to the order of the fp32 additions (relative ~1e-6).
+    Multiplied by :func:`bf16_gemm_backend` (the native AVX-512 BF16 kernel or oneDNN).
 
     Args:
         x: ``[M, K]`` bfloat16 on the CPU, last dimension contiguous, ``K`` even.
@@ -238,28 +350,17 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor 
             repacks after the weight changes).
 
     Returns:
-        ``[M, N]`` float32, or None when the kernel cannot run here (not bf16, a CUDA tensor, odd
-        ``K``, no compiler, or a CPU without AVX-512 BF16): the caller then widens and uses the
+        ``[M, N]`` float32, or None when it cannot run here (not bf16, a CUDA tensor, odd ``K``,
+        a CPU with neither AVX-512 BF16 nor oneDNN bf16): the caller then widens and uses the
         fp32 GEMM.
+
+    Raises:
+        ValueError: ``packed`` is not the packing of a weight of ``weight``'s shape.
     """
-    lib = _bf16_dot_lib(x, weight)
-    if lib is None or x.shape[1] != weight.shape[1]:
+    if not _gemm_ok(x, weight) or x.shape[1] != weight.shape[1]:
         return None
-    (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
-    if m == 0 or n == 0:
-        return out
     with torch.profiler.record_function("arealite::gemm_bf16_f32"):  # named in profiles
-        if packed is not None:
-            if packed.numel() != -(-n // 32) * 32 * k // 2:
-                raise ValueError(f"linear_bf16_f32: packed has {packed.numel()} pairs, not those of a "
-                                 f"[{n}, {k}] weight; repack it with pack_bf16(weight)")
-            rc = lib.gemm_bf16_f32_packed(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(),
-                                          out.stride(0), m, n, k, torch.get_num_threads())
-        else:
-            rc = lib.gemm_bf16_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                                   out.data_ptr(), out.stride(0), m, n, k, torch.get_num_threads())
-    return out if _check(rc) else None
+        return _linear(x, weight, packed, bf16_gemm_backend())
 
 
 def _logits_ok(logits: torch.Tensor, labels: torch.Tensor) -> bool:

@@ -32,13 +32,23 @@ def _scale(temperature: float) -> float:
     return 1.0 if temperature in (0.0, 1.0) else float(temperature)
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: float) -> torch.Tensor:
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """:func:`arealite.native.pack_bf16` of a bf16 CPU head weight (once per forward or backward,
+    for all its chunks), else None."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    return native.pack_bf16(weight.detach())
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: float,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
     """[c, V] float32 logits / T of one chunk. The logits are fp32 whatever the model dtype
     (bf16 logits are off by ~0.04 at |logit| 10, a train-inference mismatch of its own; MiniMax-M1,
     arXiv:2506.13585, section 3.3, likewise keeps the LM head in fp32). bf16 operands on a CPU
-    with AVX-512 BF16 go through :func:`arealite.native.linear_bf16_f32` (exact products, fp32
-    sums: the same logits as widening, at ~3x the speed); otherwise they are widened to fp32."""
-    logits = native.linear_bf16_f32(h, weight) if h.dtype == torch.bfloat16 else None
+    with AVX-512 BF16 or AMX go through :func:`arealite.native.linear_bf16_f32` (exact products,
+    fp32 sums: the same logits as widening, at 2-3x the speed; ``packed`` is :func:`_packed` of
+    ``weight``); otherwise they are widened to fp32."""
+    logits = native.linear_bf16_f32(h, weight, packed) if h.dtype == torch.bfloat16 else None
     if logits is not None:
         if bias is not None:
             logits.add_(bias.float())
@@ -87,9 +97,10 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         # of recomputing them (still one [c, V] buffer; saves the recompute matmul).
         keep = n <= chunk_size and (need_h or need_w or need_b)
         ctx.kept = None
+        packed = _packed(weight)
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            z = _chunk_logits(hidden[s:e], weight, bias, 1.0)  # [c, V] raw logits
+            z = _chunk_logits(hidden[s:e], weight, bias, 1.0, packed)  # [c, V] raw logits
             stats = native.softmax_stats(z, labels[s:e], 1.0 / t) if native_ok else None
             if stats is not None:
                 logprobs[s:e], entropy[s:e], lse_all[s:e] = stats
@@ -121,10 +132,11 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         # rounding's error (relative 2.3e-3 vs 1.7e-3 on a 49k vocabulary) at 1/4 of the fp32 cost.
         # fp16 (narrow exponent) widens to fp32.
         w_mm = weight.float() if weight.dtype == torch.float16 else weight
+        packed = _packed(weight) if ctx.kept is None else None  # for the recomputed logits
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             if ctx.fused_grad:  # bf16 model, only ∂hidden: g straight into bf16
-                z = ctx.kept if ctx.kept is not None else _chunk_logits(hidden[s:e], weight, bias, 1.0)
+                z = ctx.kept if ctx.kept is not None else _chunk_logits(hidden[s:e], weight, bias, 1.0, packed)
                 g = native.logprob_grad_bf16(z, lse_all[s:e], g_lp[s:e], labels[s:e], 1.0 / t)  # [c, V]
                 del z
                 grad_h[s:e] = g @ weight  # [c, H] bf16, fp32 sums
@@ -133,7 +145,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if ctx.kept is not None:  # single chunk, probabilities kept from forward
                 g = ctx.kept.mul_(-g_lp[:, None])  # −g·p [N, V], in place: used once
             else:
-                z = _chunk_logits(hidden[s:e], weight, bias, t)  # [c, V]
+                z = _chunk_logits(hidden[s:e], weight, bias, t, packed)  # [c, V]
                 # g_logits = g_lp · (onehot(y) − p) / T, built in place in z's buffer
                 g = z.sub_(lse_all[s:e, None]).exp_().mul_(-g_lp[s:e, None])  # −g·p
                 del z
