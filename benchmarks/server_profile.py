@@ -106,6 +106,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--top", type=int, default=15, help="operators listed from the profile")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the model's weights and KV (the server's --dtype)")
     args = p.parse_args()
@@ -154,6 +155,10 @@ def main():
     for g in ("linear", "attention", "other"):
         print(f"    {g:<10} {100 * groups.get(g, 0.0) / total:5.1f} %")
     print(f"    sampling alone (one step, [{args.rows}, {cfg.vocab_size}] logits): {t_sample * 1000:.1f} ms")
+    print(f"  top {args.top} ops by self CPU time, ms per step:")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]:
+        print(f"    {e.self_cpu_time_total / 1e3 / args.steps:7.2f}  {e.count // args.steps:5d} calls  "
+              f"[{GROUPS.get(e.key, 'other')}] {e.key[:60]}")
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     for name, (m, k, n) in {"mlp up": (args.rows, h, i), "lm head": (args.rows, h, v),
                             "square 2048": (2048, 2048, 2048)}.items():

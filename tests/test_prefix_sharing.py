@@ -21,7 +21,9 @@ def test_units_and_layout_by_hand():
     assert [unit_length(u, lengths) for u in units] == [2 + 2 + 1 + 3, 2, 2]
     ids = torch.tensor([7, 8, 1, 2, 7, 8, 3, 5, 4, 7, 8, 6, 6, 6, 9, 9])  # rows back to back
     bins = [[0], [1, 2]]
-    input_ids, pos, where, allowed = shared_prompt_layout(ids, lengths, units, bins)
+    input_ids, pos, where, allowed, spans = shared_prompt_layout(ids, lengths, units, bins)
+    # (prefix start, prefix length, start, length): the prompt, 3 suffixes reading it; 2 rows
+    assert spans == [(0, 0, 0, 2), (0, 2, 2, 2), (0, 2, 4, 1), (0, 2, 5, 3), (8, 0, 8, 2), (10, 0, 10, 2)]
     assert input_ids.tolist() == [[7, 8, 1, 2, 3, 6, 6, 6], [5, 4, 9, 9, 0, 0, 0, 0]]
     assert pos.tolist() == [[0, 1, 2, 3, 2, 2, 3, 4], [0, 1, 0, 1, 0, 0, 0, 0]]
     assert torch.equal(input_ids.flatten()[where], ids)  # every token of every row is found
@@ -72,6 +74,8 @@ def _run(model_dir, sharing, attn, critic=False, budget=2048):
                             mb_spec=MicroBatchSpec(max_tokens_per_mb=budget, prefix_sharing=sharing))
     engine = FSDPCriticEngine(cfg) if critic else FSDPEngine(cfg, temperature=0.7)
     engine.initialize(model_dir)
+    # sdpa runs as its segment-aware variant: shared layouts are attended by segments, not the mask
+    assert engine.model.config._attn_implementation == ("arealite_sdpa" if attn == "sdpa" else attn)
     if critic:  # the critic's zero head would give zero gradients to the backbone
         with torch.no_grad():
             w = engine.model.score.weight
@@ -86,8 +90,23 @@ def _run(model_dir, sharing, attn, critic=False, budget=2048):
     return out, stats, params, packed
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_shared_prompts_give_the_same_logprobs_and_update(tiny_model_dir, attn):
+@pytest.fixture(params=["mask", "segments"])
+def sdpa_layout(request, monkeypatch):
+    """The prefix-shared sdpa layout attended through its dense mask (these completions are
+    short) or by segments (forced: ``MIN_SUFFIX_TOKENS = 0``)."""
+    from arealite.train_engine import segment_attention
+
+    if request.param == "segments":
+        monkeypatch.setattr(segment_attention, "MIN_SUFFIX_TOKENS", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("attn,min_tokens", [("sdpa", 10 ** 6), ("sdpa", 0), ("eager", 0)])
+def test_shared_prompts_give_the_same_logprobs_and_update(tiny_model_dir, attn, min_tokens, monkeypatch):
+    """sdpa through the dense mask (short completions), sdpa by segments (forced), eager."""
+    from arealite.train_engine import segment_attention
+
+    monkeypatch.setattr(segment_attention, "MIN_SUFFIX_TOKENS", min_tokens)
     batch = _group_batch()
     out_s, st_s, p_s, packed_s = _run(tiny_model_dir, True, attn)
     out_f, st_f, p_f, packed_f = _run(tiny_model_dir, False, attn)
@@ -118,7 +137,7 @@ def _assert_same_update(p_s, p_f):
     assert max((p_s[n] - p_f[n]).abs().max().item() for n in p_f if n not in grads) <= 1e-6
 
 
-def test_shared_prompts_in_several_micro_batches_and_the_critic(tiny_model_dir):
+def test_shared_prompts_in_several_micro_batches_and_the_critic(tiny_model_dir, sdpa_layout):
     # a 30-token budget: several micro-batches, each group kept whole in one of them (a
     # group of 4 rows with its prompt once is 24 tokens, of 3 rows 37: split into 2 + 1 rows)
     out_s, st_s, p_s, _ = _run(tiny_model_dir, True, "sdpa", budget=30)
@@ -140,10 +159,66 @@ def test_negative_control_completions_that_see_each_other_change_the_logprobs(ti
     real = fsdp.shared_prompt_layout
 
     def leaky(ids, lengths, units, bins):  # plain causal rows: a suffix also sees the suffixes before it
-        input_ids, pos, where, allowed = real(ids, lengths, units, bins)
-        return input_ids, pos, where, torch.ones_like(allowed).tril()
+        input_ids, pos, where, allowed, spans = real(ids, lengths, units, bins)
+        # segments: each suffix's prefix runs from the prompt's start to its own start
+        spans = [(ps, st - ps if pl else 0, st, n) for ps, pl, st, n in spans]
+        return input_ids, pos, where, torch.ones_like(allowed).tril(), spans
 
     out_f = _run(tiny_model_dir, False, "sdpa")[0]
     monkeypatch.setattr(fsdp, "shared_prompt_layout", leaky)
-    out_leaky = _run(tiny_model_dir, True, "sdpa")[0]
-    assert (out_leaky - out_f).abs().max() > 1e-3
+    for attn, min_tokens in (("sdpa", 0), ("sdpa", 10 ** 6), ("eager", 0)):  # segments; the mask
+        monkeypatch.setattr(fsdp.segment_attention, "MIN_SUFFIX_TOKENS", min_tokens)
+        out_leaky = _run(tiny_model_dir, True, attn)[0]
+        assert (out_leaky - out_f).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_attention_equals_sdpa_with_the_layout_mask(dtype):
+    """Attention by segments (arealite/train_engine/segment_attention.py) = SDPA with
+    ``shared_prompt_layout``'s dense mask, forward and gradients of q, k, v, on a layout with
+    shared prompts of different lengths, an unshared row, filler and GQA (6 query heads on 2 KV
+    heads); filler outputs are zeros."""
+    from types import SimpleNamespace
+
+    from arealite.train_engine.segment_attention import build_segments, segment_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    keys = [(1, 2, 3)] * 4 + [(4,) * 9] * 3 + [(5, 6)]  # 2 groups and a row of its own
+    lengths = [3 + n for n in (5, 1, 9, 3)] + [9 + n for n in (4, 17, 7)] + [2 + 8]
+    units = prompt_units(keys, lengths, cap=1000)
+    sizes = [unit_length(u, lengths) for u in units]
+    assert sizes == [21, 37, 10]
+    bins = [[0], [1, 2]]  # rows of 21 + filler and 37 + 10 tokens
+    ids = torch.randint(1, 100, (sum(lengths),), generator=g)
+    _, _, _, allowed, spans = shared_prompt_layout(ids, lengths, units, bins)
+    r, c = allowed.shape[0], allowed.shape[-1]
+    segs = build_segments(spans, r * c, torch.device("cpu"))
+    assert {g.mask is None for g in segs.groups} == {True, False}  # both kinds ran
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q = torch.randn(r, 6, c, 16, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(r, 2, c, 16, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(r, 2, c, 16, generator=g).to(dtype).requires_grad_()
+    filler = torch.ones(r, c, dtype=torch.bool)
+    for ps, pl, st, n in spans:
+        filler.view(-1)[st:st + n] = False
+    out_seg, _ = segment_attention(module, q, k, v, None, scaling=0.25, arealite_segments=segs)
+    ref, _ = sdpa_attention_forward(module, q, k, v, allowed, scaling=0.25)  # [R, C, H, d]
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out_seg[~filler], ref[~filler], rtol=tol, atol=tol)
+    assert filler.sum() == 47 - 21 and (out_seg[filler] == 0).all()
+    w = torch.randn(ref.shape, generator=g).to(dtype) * (~filler)[..., None, None]
+    grads_seg = torch.autograd.grad((out_seg * w).float().sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w).float().sum(), (q, k, v))
+    for a, b in zip(grads_seg, grads_ref):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
+
+
+def test_segments_are_used_from_64_token_completions_on_average():
+    from arealite.train_engine.segment_attention import worthwhile
+
+    prompt = [(0, 0, 0, 40)]
+    assert not worthwhile(prompt + [(0, 40, 40 + 24 * i, 24) for i in range(8)])  # README command 1
+    assert worthwhile(prompt + [(0, 40, 40 + 64 * i, 64) for i in range(8)])
+    assert not worthwhile(prompt + [(0, 40, 40, 100), (0, 40, 140, 20)])  # mean 60
+    assert not worthwhile([(0, 0, 0, 500)])  # nothing shared

@@ -220,6 +220,17 @@ def _bf16_math():
         mm.fp32_precision = old
 
 
+def bf16_math(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A block in which CPU fp32 matmuls whose inputs are (or may be rounded to) bf16 numbers run
+    on oneDNN's bf16 path, where :func:`bf16_gemm_backend` found that path fastest and ``x`` is a
+    bfloat16 CPU tensor (the operand that decides the precision); a no-op block otherwise. For
+    a bf16 model's fp32 GEMMs whose inputs are bf16 anyway or whose result is rounded to bf16
+    (the LM head's weight gradient: its logit gradient rounded to bf16, as autocast would)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_gemm_backend() == "onednn":
+        return _bf16_math()
+    return contextlib.nullcontext()
+
+
 def _native_bf16_dot() -> bool:
     """Whether the native library runs here and was built with AVX-512 BF16 (its GEMM returns
     -1 otherwise)."""

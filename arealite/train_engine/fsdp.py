@@ -51,7 +51,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from arealite.api.cli import check_section
 from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
-from arealite.train_engine import lora
+from arealite.train_engine import lora, segment_attention
 from arealite.train_engine.lm_head import chunked_logprobs_entropy
 from arealite.train_engine.packing import (pack_sequences, packed_layout, prompt_units, shared_prompt_layout,
                                      split_microbatches, unit_length)
@@ -189,6 +189,8 @@ class FSDPEngine(TrainEngine):
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.config.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
+        elif self.world_size == 1:  # nothing to free by resharding: skip backward's all-gather
+            kw["reshard_after_forward"] = False  # (a copy + cast of every parameter)
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         for module in model.modules():
             if type(module).__name__ in layer_classes:
@@ -221,14 +223,18 @@ class FSDPEngine(TrainEngine):
             self.optimizer, lambda step: lr_multiplier(oc, step, total_steps))
 
     def _attn_implementation(self) -> str:
-        return resolve_attn_implementation(self.config)
+        """:func:`resolve_attn_implementation`; ``sdpa`` becomes its segment-aware variant
+        (:mod:`arealite.train_engine.segment_attention`: transformers' SDPA, except for the
+        prefix-shared layout, attended by segments)."""
+        impl = resolve_attn_implementation(self.config)
+        return segment_attention.register() if impl == "sdpa" else impl
 
     # -- micro-batching --------------------------------------------------------------------------
     def _prefix_sharing(self) -> bool:
         """Prompts shared within a micro-batch: packed sdpa/eager rows (a 4D mask; flash
         varlen attention takes none) and ``mb_spec.prefix_sharing``."""
         return (self.config.mb_spec.packing and self.config.mb_spec.prefix_sharing
-                and self.model.config._attn_implementation in ("sdpa", "eager"))
+                and self.model.config._attn_implementation in ("sdpa", "eager", segment_attention.NAME))
 
     def _units(self, batch: Batch, lengths: list[int]) -> list[tuple[int, list[int]]]:
         """:func:`prompt_units` of ``batch``: a row's prompt is its tokens before its first
@@ -277,16 +283,19 @@ class FSDPEngine(TrainEngine):
         return chunked_logprobs_entropy(hidden, head.weight, labels, self.temperature,
                                         self.config.mb_spec.logits_chunk_size, bias=head.bias)
 
-    def _root_forward(self, input_ids, position_ids, attention_mask, index, labels):
+    def _root_forward(self, input_ids, position_ids, attention_mask, index, labels, segments=None):
         """Backbone → :meth:`_head` at the positions ``index`` (registered as an FSDP forward).
 
         ``input_ids``/``position_ids`` [R, C] (packed rows, ``attention_mask`` None: transformers
         derives a block-diagonal mask or varlen ``cu_seqlens`` from the restarting position ids)
         or [b, T] (padded rows with their ``attention_mask``); ``index`` [n] indexes the flattened
-        [R·C] positions whose hidden states feed the head; labels [n] their next tokens.
+        [R·C] positions whose hidden states feed the head; labels [n] their next tokens;
+        ``segments``: the prefix-shared layout's :class:`~arealite.train_engine.segment_attention.Segments`
+        (attended by segments instead of the mask).
         """
+        extra = {} if segments is None else {"arealite_segments": segments}
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, use_cache=False).last_hidden_state
+                                       position_ids=position_ids, use_cache=False, **extra).last_hidden_state
         return self._head(hidden.reshape(-1, hidden.shape[-1])[index], labels)  # hidden [n, H]
 
     def _forward_mb(self, mb: Batch) -> torch.Tensor:
@@ -312,12 +321,16 @@ class FSDPEngine(TrainEngine):
             # packed rows of at most the longest unit, as the dense mask costs (row length)²
             sizes = [unit_length(u, lengths) for u in units]
             bins = pack_sequences(sizes, max(sizes))
-            ids_p, pos_p, where, allowed = shared_prompt_layout(ids, lengths, units, bins)
+            ids_p, pos_p, where, allowed, spans = shared_prompt_layout(ids, lengths, units, bins)
+            segments = None
             if self.model.config._attn_implementation == "eager":  # additive float mask
                 dtype = self.model.get_input_embeddings().weight.dtype
                 allowed = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(
                     ~allowed, torch.finfo(dtype).min)
-            out, extra = self.model.arealite_forward(ids_p, pos_p, allowed, where[src], labels)
+            elif (self.model.config._attn_implementation == segment_attention.NAME
+                  and segment_attention.worthwhile(spans)):  # the used pairs only
+                segments = segment_attention.build_segments(spans, ids_p.numel(), ids.device)
+            out, extra = self.model.arealite_forward(ids_p, pos_p, allowed, where[src], labels, segments)
         elif self.config.mb_spec.packing:
             # flash-attention: one row (varlen); sdpa/eager: rows of at most the longest sequence,
             # as their block-diagonal mask costs (row length)² per row

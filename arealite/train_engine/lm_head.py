@@ -154,8 +154,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 g.div_(t)
             if need_h:
                 grad_h[s:e] = (g.to(w_mm.dtype) @ w_mm).to(hidden.dtype)  # [c, H]
-            if need_w:
-                grad_w.addmm_(g.t(), hidden[s:e].float())
+            if need_w:  # a bf16 model: g rounded to bf16 as for ∂hidden, where oneDNN does that fastest
+                with native.bf16_math(hidden):
+                    grad_w.addmm_(g.t(), hidden[s:e].float())
             if need_b:
                 grad_b += g.sum(0)
             del g

@@ -127,10 +127,13 @@ def shared_prompt_layout(ids: torch.Tensor, lengths: list[int], units: list[tupl
     2025, arXiv:2506.05433.)
 
     Returns:
-        ``(input_ids [R, C], position_ids [R, C], where [N], allowed [R, 1, C, C] bool)``:
-        ``where[j]`` is the flattened [R·C] position holding row token j (a prompt token of a
-        shared unit: the one shared copy); ``allowed[r, 0, q, k]`` = query q may attend to key
-        k. Filler at the tail of a short row attends only to itself.
+        ``(input_ids [R, C], position_ids [R, C], where [N], allowed [R, 1, C, C] bool,
+        segments)``: ``where[j]`` is the flattened [R·C] position holding row token j (a prompt
+        token of a shared unit: the one shared copy); ``allowed[r, 0, q, k]`` = query q may
+        attend to key k. Filler at the tail of a short row attends only to itself.
+        ``segments``: the same attention as ``(prefix_start, prefix_len, start, length)`` flat
+        spans, one per prompt, suffix and unshared row (filler in none), for
+        :func:`arealite.train_engine.segment_attention.build_segments`.
     """
     starts = [0]
     for n in lengths[:-1]:
@@ -143,11 +146,14 @@ def shared_prompt_layout(ids: torch.Tensor, lengths: list[int], units: list[tupl
     seg = -1 - torch.arange(R * C, device=ids.device).view(R, C)  # filler: a segment of its own
     branch = torch.zeros(R, C, dtype=torch.long, device=ids.device)  # 0 = shared prompt
     where = torch.empty(ids.shape[0], dtype=torch.long, device=ids.device)
+    segments = []
     for r, b in enumerate(bins):
         c = 0
         for u in b:
             p, rows = units[u]
+            prompt_at = r * C + c
             if p:
+                segments.append((prompt_at, 0, prompt_at, p))
                 o = starts[rows[0]]
                 input_ids[r, c:c + p] = ids[o:o + p]
                 position_ids[r, c:c + p] = torch.arange(p, device=ids.device)
@@ -162,9 +168,10 @@ def shared_prompt_layout(ids: torch.Tensor, lengths: list[int], units: list[tupl
                 seg[r, c:c + n] = u
                 branch[r, c:c + n] = k
                 where[o:o + n] = torch.arange(r * C + c, r * C + c + n, device=ids.device)
+                segments.append((prompt_at, p, r * C + c, n))
                 c += n
     causal = torch.ones(C, C, dtype=torch.bool, device=ids.device).tril()
     same_seg = seg[:, :, None] == seg[:, None, :]  # [R, C(q), C(k)]
     visible_branch = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
     allowed = (same_seg & visible_branch & causal)[:, None]  # [R, 1, C, C]
-    return input_ids, position_ids, where, allowed
+    return input_ids, position_ids, where, allowed, segments
