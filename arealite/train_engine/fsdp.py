@@ -183,14 +183,13 @@ class FSDPEngine(TrainEngine):
             model.to(self.device)
         if self.peft is not None:  # random adapter init: every rank must shard the same tensors
             lora.broadcast_trainable(model, self.device)
-        kw = {}
+        # one rank: nothing to free by resharding, so backward skips an all-gather (copy + cast)
+        kw = {} if self.world_size > 1 or self.config.cpu_offload else {"reshard_after_forward": False}
         self.precision = compute_precision(self.config)
         if self.precision == "bf16":  # fp32 master weights, optimizer state and gradient reduction
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.config.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
-        elif self.world_size == 1:  # nothing to free by resharding: skip backward's all-gather
-            kw["reshard_after_forward"] = False  # (a copy + cast of every parameter)
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         for module in model.modules():
             if type(module).__name__ in layer_classes:
@@ -222,10 +221,7 @@ class FSDPEngine(TrainEngine):
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_multiplier(oc, step, total_steps))
 
-    def _attn_implementation(self) -> str:
-        """:func:`resolve_attn_implementation`; ``sdpa`` becomes its segment-aware variant
-        (:mod:`arealite.train_engine.segment_attention`: transformers' SDPA, except for the
-        prefix-shared layout, attended by segments)."""
+    def _attn_implementation(self) -> str:  # sdpa -> its variant that can attend by segments
         impl = resolve_attn_implementation(self.config)
         return segment_attention.register() if impl == "sdpa" else impl
 
@@ -290,12 +286,10 @@ class FSDPEngine(TrainEngine):
         derives a block-diagonal mask or varlen ``cu_seqlens`` from the restarting position ids)
         or [b, T] (padded rows with their ``attention_mask``); ``index`` [n] indexes the flattened
         [R·C] positions whose hidden states feed the head; labels [n] their next tokens;
-        ``segments``: the prefix-shared layout's :class:`~arealite.train_engine.segment_attention.Segments`
-        (attended by segments instead of the mask).
+        ``segments``: a prefix-shared layout's ``segment_attention.Segments`` (replace the mask).
         """
-        extra = {} if segments is None else {"arealite_segments": segments}
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, use_cache=False, **extra).last_hidden_state
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       use_cache=False, arealite_segments=segments).last_hidden_state
         return self._head(hidden.reshape(-1, hidden.shape[-1])[index], labels)  # hidden [n, H]
 
     def _forward_mb(self, mb: Batch) -> torch.Tensor:
@@ -322,14 +316,11 @@ class FSDPEngine(TrainEngine):
             sizes = [unit_length(u, lengths) for u in units]
             bins = pack_sequences(sizes, max(sizes))
             ids_p, pos_p, where, allowed, spans = shared_prompt_layout(ids, lengths, units, bins)
-            segments = None
+            segments = segment_attention.for_layout(spans, ids_p, self.model.config._attn_implementation)
             if self.model.config._attn_implementation == "eager":  # additive float mask
                 dtype = self.model.get_input_embeddings().weight.dtype
                 allowed = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(
                     ~allowed, torch.finfo(dtype).min)
-            elif (self.model.config._attn_implementation == segment_attention.NAME
-                  and segment_attention.worthwhile(spans)):  # the used pairs only
-                segments = segment_attention.build_segments(spans, ids_p.numel(), ids.device)
             out, extra = self.model.arealite_forward(ids_p, pos_p, allowed, where[src], labels, segments)
         elif self.config.mb_spec.packing:
             # flash-attention: one row (varlen); sdpa/eager: rows of at most the longest sequence,

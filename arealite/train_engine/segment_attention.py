@@ -118,6 +118,15 @@ def build_segments(segments: list[tuple[int, int, int, int]], size: int, device:
     return Segments(groups, size)
 
 
+def for_layout(spans: list[tuple[int, int, int, int]], rows: torch.Tensor, attn_implementation: str) -> Segments | None:
+    """:func:`build_segments` of a prefix-shared layout (its ``spans`` over the flat positions of
+    ``rows`` [R, C], on its device) where the model attends with :data:`NAME` and
+    :func:`worthwhile` says segments pay; None (attend through the mask) otherwise."""
+    if attn_implementation != NAME or not worthwhile(spans):
+        return None
+    return build_segments(spans, rows.numel(), rows.device)
+
+
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       arealite_segments: Segments | None = None, **kwargs) -> tuple[torch.Tensor, None]:
