@@ -77,8 +77,11 @@ def test_lora_grpo_one_vs_two_ranks_only_adapters_change_and_the_server_follows(
         assert r["frozen_differ"] == [] and r["frozen_missing"] == [] and r["n_frozen"] > 0  # base bitwise equal
         assert len(r["adapters"]) == 2 * 2 * 7  # 2 layers x 7 target modules x (A, B), nothing else trains
         assert all("lora_A" in k or "lora_B" in k for k in r["adapters"])
+    # 3 AdamW steps at lr 2e-2: each step moves an element by up to ~lr whatever its gradient's
+    # size, so the fp32 rounding of 1 vs 2 ranks' gradient sums reaches the adapters scaled to lr
+    # (seen: 1.2e-6 on one element of 512 on an AMX Xeon); allow 1e-3 of one step's update
     for k, v in r1["adapters"].items():
-        torch.testing.assert_close(v, r2["adapters"][k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(v, r2["adapters"][k], rtol=1e-4, atol=1e-3 * 2e-2)
         assert v.abs().max() > 0
     assert r1["greedy"] == r2["greedy"]
 

@@ -251,9 +251,10 @@ def bf16_gemm_backend() -> str | None:
     with AMX it runs on the tile units). Each available one multiplies a
     ``[128, 576] · [576, 8192]`` product (the weight pre-packed) three times; the faster wins
     (about 30 ms, logged at INFO). On the 2-core Intel Xeon with AMX (2026-12-05) oneDNN was
-    3.3x faster for 1,024 rows, 2.4x for 32 and slower only at 8 rows or fewer; on the 2-core
-    AMD EPYC with AVX-512 BF16 and no AMX the native kernel was built because oneDNN had no
-    such path in torch's CPU matmul (docs/performance.md).
+    3.3x faster for 1,024 rows, 2.4x for 32 and slower only at 8 rows or fewer
+    (docs/performance.md); on the AMD EPYC with AVX-512 BF16 and no AMX, where the native kernel
+    was written, the two have not been compared: there too the measurement decides. (On a CPU
+    without bf16 instructions oneDNN's path is its fp32 GEMM, as exact.)
 
     ``AREALITE_BF16_GEMM`` = ``native`` / ``onednn`` forces one (``auto``, the default,
     measures). Returns None when neither can run here (no AVX-512 BF16 or AMX, or both
@@ -279,10 +280,10 @@ def bf16_gemm_backend() -> str | None:
     for backend in found:
         packed = _pack(w, backend)
         best = float("inf")
-        for _ in range(4):  # the first one warms up
+        for i in range(4):  # the first one warms up
             t = time.perf_counter()
             _linear(x, w, packed, backend)
-            best = min(best, time.perf_counter() - t)
+            best = min(best, time.perf_counter() - t) if i else best
         times[backend] = best
     choice = min(times, key=times.get)
     logger.info("bf16 -> fp32 GEMM: %s (measured [%d,%d]x[%d,%d]: %s)", choice, m, k, k, n,
