@@ -6,7 +6,7 @@ setup(
     version="0.1.0",
     description="Lightweight fully asynchronous RL for large language models (AReaL-style).",
     packages=find_packages(include=["arealite", "arealite.*"]),
-    package_data={"arealite.native": ["decode_attention.c", "gemm_bf16.c"]},  # built at first use (arealite/native/__init__.py)
+    package_data={"arealite.native": ["*.c"]},  # built at first use (arealite/native/__init__.py)
     python_requires=">=3.10",
     install_requires=[
         # torch is pinned by the install script on CPU machines (see README); any torch>=2.6
