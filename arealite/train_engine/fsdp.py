@@ -289,7 +289,7 @@ class FSDPEngine(TrainEngine):
         ``segments``: a prefix-shared layout's ``segment_attention.Segments`` (replace the mask).
         """
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       use_cache=False, arealite_segments=segments).last_hidden_state
+                                       use_cache=False, **({} if segments is None else {"arealite_segments": segments})).last_hidden_state
         return self._head(hidden.reshape(-1, hidden.shape[-1])[index], labels)  # hidden [n, H]
 
     def _forward_mb(self, mb: Batch) -> torch.Tensor:
