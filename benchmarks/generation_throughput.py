@@ -23,6 +23,10 @@ tokens/s = useful generated tokens / wall time. With ``--repeats R`` the servers
 of the same shape (seeds ``--seed`` .. ``--seed + R - 1``: fresh prompts each time, so no run
 reuses another's cached prefixes), each system all R in a row; every run's tokens/s is printed
 and the speed-ups are ratios of the medians (the HF baselines run the first workload only).
+``--interleave`` (with ``--backend vllm --skip-weight-update``) keeps both servers up and
+alternates them, our server then vLLM on each workload after 2 s of quiet, and also prints each
+pair's ratio: on a host whose speed drifts over minutes (the shared AMX Xeon: a GEMM's rate moved
+2x between runs) a pair is measured under nearly the same conditions.
 
 With ``--turns T`` every request is an episode of T turns: turn t+1's prompt is turn t's prompt +
 its output + ``--feedback-len`` random "environment" tokens (the same output length each turn).
@@ -256,6 +260,36 @@ def weight_update_latency(args, model_path, addr, backend: str = "local", actor=
     return out
 
 
+def interleaved(args, model_path: str, loads) -> None:
+    """Our server and vLLM both up, alternating on each workload (module docstring)."""
+    servers = {}
+    try:
+        servers["server"] = start_server(args, model_path)
+        t0 = time.perf_counter()
+        servers["vllm"] = start_vllm(args, model_path)
+        print(f"  vllm: ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        kinds = {"server": "local", "vllm": "vllm"}
+        for name, (_, addr) in servers.items():
+            asyncio.run(_server_run(addr, [(loads[0][0][0][:8], 2)], args, kinds[name]))  # warm-up
+        rates = {name: [] for name in servers}
+        for load in loads:
+            for name, (_, addr) in servers.items():
+                time.sleep(2.0)  # the other server's OpenMP threads stop spinning
+                rates[name].append(sum(n for _, n in load) * args.turns
+                                   / asyncio.run(_server_run(addr, load, args, kinds[name])))
+        pairs = [a / b for a, b in zip(rates["server"], rates["vllm"])]
+        for name, rs in rates.items():
+            print(f"  {name:22s} {statistics.median(rs):9.1f} tokens/s  (runs: {', '.join(f'{r:.1f}' for r in rs)})",
+                  flush=True)
+        print(f"  server / vllm: {statistics.median(rates['server']) / statistics.median(rates['vllm']):.2f}x "
+              f"(medians); per workload {', '.join(f'{r:.2f}' for r in pairs)} (median {statistics.median(pairs):.2f}x)",
+              flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="HF folder; '' = SmolLM2-135M-Instruct; 'random-qwen2.5-0.5b'")
@@ -276,7 +310,11 @@ def main():
     p.add_argument("--repeats", type=int, default=1, help="workloads per server (see the docstring)")
     p.add_argument("--backend", default="local", choices=["local", "vllm"],
                    help="vllm: also run a vLLM server (AREALITE_VLLM_PYTHON) on the same workload")
+    p.add_argument("--interleave", action="store_true",
+                   help="with --backend vllm --skip-weight-update: both servers up, alternating per workload")
     args = p.parse_args()
+    if args.interleave and (args.backend != "vllm" or not args.skip_weight_update or args.turns != 1):
+        p.error("--interleave needs --backend vllm, --skip-weight-update and --turns 1")
     if args.dtype == "auto":
         from arealite.utils.perf import resolve_dtype
 
@@ -300,6 +338,8 @@ def main():
           f"output {args.output_len[0]}-{args.output_len[1]} tokens, {args.turns} turn(s) ({useful} generated "
           "in total)", flush=True)
 
+    if args.interleave:
+        return interleaved(args, model_path, loads)
     proc, addr = start_server(args, model_path)
     try:
         rates = {}  # name -> tokens/s of each run

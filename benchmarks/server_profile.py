@@ -9,7 +9,10 @@ one process (median reported):
   (``--no-packed-linear``, ``AREALITE_NATIVE_KERNELS=0``);
 * ``packed``: oneDNN pre-packed linear weights (:mod:`arealite.server.packed_linear`), SDPA;
 * ``native``: packed linear weights and the native decode-attention kernel
-  (:mod:`arealite.native`) -- today's server.
+  (:mod:`arealite.native`) -- today's server;
+* ``onednn-head`` (bf16, where both GEMM backends run): ``native`` with the fp32 LM head on
+  oneDNN at every row count -- the server on the AMX machine before its head took the row-count
+  plan of :func:`arealite.native.bf16_gemm_backend` (2026-12-05).
 
 Then one profile (``torch.profiler``) of today's server groups the step's CPU time into the
 linear layers, attention, sampling and the rest, and prints the GEMM rate of the step's linear
@@ -40,7 +43,20 @@ GROUPS = {  # profiler op name -> group
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "arealite::decode_attention": "attention",
 }
-VARIANTS = {"plain": (False, False), "packed": (True, False), "native": (True, True)}  # packed, native
+VARIANTS = {"plain": (False, False), "packed": (True, False), "native": (True, True), "onednn-head": (True, True)}
+# -> (packed linears, native attention)
+
+
+@contextlib.contextmanager
+def _head_backend(variant: str):
+    """Within the block a ``onednn-head`` variant's LM head multiplies on oneDNN at every row count."""
+    chosen = native.bf16_gemm_backend
+    if variant == "onednn-head":
+        native.bf16_gemm_backend = lambda rows=None: "onednn"
+    try:
+        yield
+    finally:
+        native.bf16_gemm_backend = chosen
 
 
 @contextlib.contextmanager
@@ -117,7 +133,9 @@ def main():
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval() for v in VARIANTS}
+    variants = [v for v in VARIANTS if v != "onednn-head" or (
+        dtype == torch.bfloat16 and native._native_bf16_dot() and native._onednn_bf16_math())]
+    models = {v: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval() for v in variants}
     scheds = {v: _scheduler(m, args.rows, args.kv_len, VARIANTS[v][0]) for v, m in models.items()}
     cfg = models["plain"].config
     if native.library() is None:
@@ -127,12 +145,12 @@ def main():
     times = {v: [] for v in scheds}
     for _ in range(args.reps):
         for v, s in scheds.items():
-            with _decode_attention(VARIANTS[v][1]):
+            with _decode_attention(VARIANTS[v][1]), _head_backend(v):
                 times[v].append(_time_steps(s, args.steps))
     base = statistics.median(times["plain"])
     for v, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {v:<7} {med * 1000:7.1f} ms/step  {args.rows / med:6.1f} tok/s  "
+        print(f"  {v:<11} {med * 1000:7.1f} ms/step  {args.rows / med:6.1f} tok/s  "
               f"({base / med:.2f}x plain)")
 
     from torch.profiler import ProfilerActivity, profile

@@ -22,9 +22,9 @@ _AVAILABLE = {"native": native._native_bf16_dot, "onednn": native._onednn_bf16_m
 @pytest.fixture(autouse=True)
 def _choose_backend_again():
     """Each test chooses the GEMM backend afresh (``AREALITE_BF16_GEMM`` as it sets it)."""
-    native.bf16_gemm_backend.cache_clear()
+    native._gemm_plan.cache_clear()
     yield
-    native.bf16_gemm_backend.cache_clear()
+    native._gemm_plan.cache_clear()
 
 
 @pytest.fixture(params=["native", "onednn"])
@@ -61,31 +61,56 @@ def test_strided_rows_and_odd_or_unsupported_inputs(backend):
 def test_prepacked_weight_gives_the_same_product(backend):
     x, w = _bf16(29, 576, seed=8), _bf16(1000, 576, seed=9)
     packed = native.pack_bf16(w)
-    if backend == "native":
-        assert packed.numel() == 32 * 32 * 576 // 2  # 1000 columns -> 32 panels of 32
-    else:
-        assert packed.dtype == torch.float32 and torch.equal(packed, w.float())
     assert torch.equal(native.linear_bf16_f32(x, w, packed), native.linear_bf16_f32(x, w))
+    form = packed.form(backend)  # built at first use
+    if backend == "native":
+        assert form.numel() == 32 * 32 * 576 // 2  # 1000 columns -> 32 panels of 32
+    else:
+        assert form.dtype == torch.float32 and torch.equal(form, w.float())
     with pytest.raises(ValueError, match="repack"):
         native.linear_bf16_f32(x, w[:500], packed)
+    w.add_(1)  # changed in place after packing: a form not built yet is refused
+    with pytest.raises(ValueError, match="changed in place.*repack"):
+        packed.form("onednn" if backend == "native" else "native")
 
 
-def test_backend_is_chosen_by_measurement_and_can_be_forced(monkeypatch, caplog):
+def test_backend_is_chosen_by_measurement_per_row_count_and_can_be_forced(monkeypatch, caplog):
     found = [b for b, ok in _AVAILABLE.items() if ok()]
     monkeypatch.setenv("AREALITE_BF16_GEMM", "auto")
     with caplog.at_level("INFO", logger="arealite.native"):
         choice = native.bf16_gemm_backend()
     assert choice in found if found else choice is None
-    if len(found) == 2:  # both timed, both named in the log line
-        assert all(f"{b} " in caplog.text and " ms" in caplog.text for b in found)
+    if len(found) == 2:  # both timed at every probed row count, named in the log line
+        assert all(f"{m} rows: native " in caplog.text and " ms" in caplog.text for m in native._PROBE_ROWS)
+        assert all(native.bf16_gemm_backend(m) in found for m in (1, 8, 9, 128, 10_000))
     for forced in found:
         monkeypatch.setenv("AREALITE_BF16_GEMM", forced)
-        native.bf16_gemm_backend.cache_clear()
-        assert native.bf16_gemm_backend() == forced
+        native._gemm_plan.cache_clear()
+        assert all(native.bf16_gemm_backend(m) == forced for m in (None, 1, 100, 10_000))
     monkeypatch.setenv("AREALITE_BF16_GEMM", "fast")
-    native.bf16_gemm_backend.cache_clear()
+    native._gemm_plan.cache_clear()
     with pytest.raises(ValueError, match="AREALITE_BF16_GEMM must be auto, native or onednn"):
         native.bf16_gemm_backend()
+
+
+def test_each_row_count_runs_on_its_planned_backend(monkeypatch):
+    """A plan of 'native up to 8 rows, oneDNN beyond' sends 1-8 rows to the native kernel and
+    more to oneDNN, each with its own form of one packed weight."""
+    if not all(ok() for ok in _AVAILABLE.values()):
+        pytest.skip("needs both GEMM backends")
+    monkeypatch.setattr(native, "_gemm_plan", lambda: ((8, "native"), (128, "onednn")))
+    assert [native.bf16_gemm_backend(m) for m in (1, 8, 9, 128, 129, None)] == ["native"] * 2 + ["onednn"] * 4
+    calls = []
+    real = native._linear
+    monkeypatch.setattr(native, "_linear", lambda x, w, p, b: calls.append((x.shape[0], b)) or real(x, w, p, b))
+    w = _bf16(100, 64, seed=1)
+    packed = native.pack_bf16(w)
+    for m in (1, 8, 9, 40):
+        x = _bf16(m, 64, seed=m)
+        out = native.linear_bf16_f32(x, w, packed)
+        torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, "native"), (8, "native"), (9, "onednn"), (40, "onednn")]
+    assert set(packed._forms) == {"native", "onednn"}
 
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler / libgomp here")

@@ -36,9 +36,13 @@ def _case(b, hkv, g, d, rows, capacity, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,hkv,g,d", [(5, 3, 3, 64), (3, 1, 1, 128), (4, 4, 2, 8), (2, 2, 16, 256)])
-def test_decode_attention_matches_a_float64_reference(dtype, b, hkv, g, d):
-    q, k_buf, v_buf, lens = _case(b, hkv, g, d, rows=b + 2, capacity=37, dtype=dtype)
+@pytest.mark.parametrize("b,hkv,g,d,capacity", [
+    (5, 3, 3, 64, 37), (3, 1, 1, 128, 37), (4, 4, 2, 8, 37), (2, 2, 16, 256, 37),
+    # the AVX-512 BF16 path: blocks of 16 positions with a tail, 4 + 1 heads per value pass (d 64),
+    # 2 + 2 + 2 (d 128), and 16 heads
+    (4, 2, 5, 64, 83), (3, 2, 6, 128, 70), (2, 1, 16, 64, 32)])
+def test_decode_attention_matches_a_float64_reference(dtype, b, hkv, g, d, capacity):
+    q, k_buf, v_buf, lens = _case(b, hkv, g, d, rows=b + 2, capacity=capacity, dtype=dtype)
     scale = d ** -0.5
     out = native.decode_attention(q, k_buf, v_buf, lens, scale)
     assert out.dtype == dtype and out.shape == (b, hkv, g, d)

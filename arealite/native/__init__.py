@@ -196,7 +196,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 
 _GEMM_BACKENDS = ("native", "onednn")
-_PROBE = (128, 8192, 576)  # M, N, K of the shape timed to choose the backend
+_PROBE_ROWS = (2, 8, 16, 32, 128)  # row counts timed; m rows use the choice of the first probe >= m
+_PROBE_NK = (32768, 576)  # N, K of the timed products: a vocabulary-sized LM head
 
 
 def _onednn_bf16_math() -> bool:
@@ -222,10 +223,11 @@ def _bf16_math():
 
 def bf16_math(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """A block in which CPU fp32 matmuls whose inputs are (or may be rounded to) bf16 numbers run
-    on oneDNN's bf16 path, where :func:`bf16_gemm_backend` found that path fastest and ``x`` is a
-    bfloat16 CPU tensor (the operand that decides the precision); a no-op block otherwise. For
-    a bf16 model's fp32 GEMMs whose inputs are bf16 anyway or whose result is rounded to bf16
-    (the LM head's weight gradient: its logit gradient rounded to bf16, as autocast would)."""
+    on oneDNN's bf16 path, where :func:`bf16_gemm_backend` found that path fastest for many rows
+    and ``x`` is a bfloat16 CPU tensor (the operand that decides the precision); a no-op block
+    otherwise. For a bf16 model's fp32 GEMMs whose inputs are bf16 anyway or whose result is
+    rounded to bf16 (the LM head's weight gradient: its logit gradient rounded to bf16, as
+    autocast would)."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_gemm_backend() == "onednn":
         return _bf16_math()
     return contextlib.nullcontext()
@@ -243,22 +245,9 @@ def _native_bf16_dot() -> bool:
 
 
 @functools.cache
-def bf16_gemm_backend() -> str | None:
-    """How :func:`linear_bf16_f32` multiplies on this machine, chosen once per process by
-    measurement: ``"native"`` (``gemm_bf16.c``, AVX-512 BF16 ``vdpbf16ps``) or ``"onednn"``
-    (torch's fp32 matmul with ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``: oneDNN
-    rounds the inputs to bf16 — exact here, they are bf16 numbers — and sums in fp32; on a CPU
-    with AMX it runs on the tile units). Each available one multiplies a
-    ``[128, 576] · [576, 8192]`` product (the weight pre-packed) three times; the faster wins
-    (about 30 ms, logged at INFO). On the 2-core Intel Xeon with AMX (2026-12-05) oneDNN was
-    3.3x faster for 1,024 rows, 2.4x for 32 and slower only at 8 rows or fewer
-    (docs/performance.md); on the AMD EPYC with AVX-512 BF16 and no AMX, where the native kernel
-    was written, the two have not been compared: there too the measurement decides. (On a CPU
-    without bf16 instructions oneDNN's path is its fp32 GEMM, as exact.)
-
-    ``AREALITE_BF16_GEMM`` = ``native`` / ``onednn`` forces one (``auto``, the default,
-    measures). Returns None when neither can run here (no AVX-512 BF16 or AMX, or both
-    unavailable): the callers then widen to fp32.
+def _gemm_plan() -> tuple[tuple[int, str], ...]:
+    """``((max_rows, backend), ...)`` in increasing ``max_rows``, the last for any row count;
+    empty when no backend can run here. See :func:`bf16_gemm_backend`.
 
     Raises:
         ValueError: ``AREALITE_BF16_GEMM`` is not ``auto``, ``native`` or ``onednn``.
@@ -269,26 +258,67 @@ def bf16_gemm_backend() -> str | None:
     found = [b for b, ok in (("native", _native_bf16_dot), ("onednn", _onednn_bf16_math))
              if want in ("auto", b) and ok()]
     if len(found) < 2:
-        choice = found[0] if found else None
-        logger.info("bf16 -> fp32 GEMM: %s (AREALITE_BF16_GEMM=%s)", choice or "none, fp32 widening", want)
-        return choice
-    m, n, k = _PROBE
+        logger.info("bf16 -> fp32 GEMM: %s (AREALITE_BF16_GEMM=%s)", found[0] if found else "none, fp32 widening", want)
+        return ((_PROBE_ROWS[-1], found[0]),) if found else ()
+    n, k = _PROBE_NK
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
-    times = {}
-    for backend in found:
-        packed = _pack(w, backend)
-        best = float("inf")
-        for i in range(4):  # the first one warms up
-            t = time.perf_counter()
-            _linear(x, w, packed, backend)
-            best = min(best, time.perf_counter() - t) if i else best
-        times[backend] = best
-    choice = min(times, key=times.get)
-    logger.info("bf16 -> fp32 GEMM: %s (measured [%d,%d]x[%d,%d]: %s)", choice, m, k, k, n,
-                ", ".join(f"{b} {1e3 * s:.2f} ms" for b, s in times.items()))
-    return choice
+    packed = PackedBF16(w)
+    plan, lines = [], []
+    for m in _PROBE_ROWS:
+        x = torch.randn(m, k, generator=g).bfloat16()
+        times = {}
+        for backend in found:
+            best = float("inf")
+            for i in range(4):  # the first one warms up (and packs)
+                t = time.perf_counter()
+                _linear(x, w, packed, backend)
+                best = min(best, time.perf_counter() - t) if i else best
+            times[backend] = best
+        plan.append((m, min(times, key=times.get)))
+        lines.append(f"{m} rows: " + ", ".join(f"{b} {1e3 * s:.2f} ms" for b, s in times.items()))
+    merged = []  # neighbouring probes with the same winner as one entry
+    for m, backend in plan:
+        if merged and merged[-1][1] == backend:
+            merged.pop()
+        merged.append((m, backend))
+    logger.info("bf16 -> fp32 GEMM: %s (measured [m,%d]x[%d,%d]: %s)",
+                ", ".join(f"<= {m} rows {b}" for m, b in merged[:-1]) + (", " if len(merged) > 1 else "")
+                + f"more rows {merged[-1][1]}", k, k, n, "; ".join(lines))
+    return tuple(merged)
+
+
+def bf16_gemm_backend(rows: int | None = None) -> str | None:
+    """How :func:`linear_bf16_f32` multiplies ``rows`` rows on this machine (None: many rows),
+    chosen once per process by measurement: ``"native"`` (``gemm_bf16.c``, AVX-512 BF16
+    ``vdpbf16ps``) or ``"onednn"`` (torch's fp32 matmul with
+    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``: oneDNN rounds the inputs to bf16
+    — exact here, they are bf16 numbers — and sums in fp32; on a CPU with AMX it runs on the tile
+    units). Each available one multiplies ``[m, 576] · [576, 32768]`` (a vocabulary-sized head,
+    pre-packed) three times for m = 2, 8, 16, 32 and 128 (about 0.5 s, logged at INFO); a product
+    of ``rows`` rows uses the faster at the first of those ``>= rows`` (128's beyond). The row count
+    matters: on the 2-core Intel Xeon with AMX (2026-12-05) a [m, 576] · [576, 49152] LM head
+    took 1.8 ms native against 7.9 ms oneDNN at 1 row (the native kernel streams the bf16
+    weight; oneDNN reads its fp32 copy, twice the bytes), 5.5 against 8.3 at 12, and 13.7
+    against 9.4 at 32 (docs/performance.md): a decode step's few rows and a training chunk's
+    thousands want different kernels. (On a CPU without bf16 instructions oneDNN's path is its
+    fp32 GEMM, as exact.)
+
+    ``AREALITE_BF16_GEMM`` = ``native`` / ``onednn`` forces one for every row count (``auto``,
+    the default, measures). Returns None when neither can run here (no AVX-512 BF16 or AMX, or
+    both unavailable): the callers then widen to fp32.
+
+    Raises:
+        ValueError: ``AREALITE_BF16_GEMM`` is not ``auto``, ``native`` or ``onednn``.
+    """
+    plan = _gemm_plan()
+    if not plan:
+        return None
+    if rows is not None:
+        for max_rows, backend in plan[:-1]:
+            if rows <= max_rows:
+                return backend
+    return plan[-1][1]
 
 
 def _gemm_ok(*tensors: torch.Tensor) -> bool:
@@ -310,24 +340,51 @@ def _pack(weight: torch.Tensor, backend: str) -> torch.Tensor | None:
     return packed if rc == 0 else None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, backend: str) -> torch.Tensor | None:
+class PackedBF16:
+    """A bf16 weight ``[N, K]`` prepared for :func:`linear_bf16_f32` (from :func:`pack_bf16`):
+    each backend's form is built at its first use and kept: ``native``: ``ceil(N/32)`` VNNI
+    panels of ``[K/2, 32]`` pairs (``ceil(N/32)·32·K`` bf16 values as int32 pairs; saves ~2.5 ms
+    per call for a [49152, 576] head on 2 cores); ``onednn``: the [N, K] float32 copy (saves the
+    widening, ~23 ms for that head). A server's head that sees both few and many rows holds
+    both (3x the weight's bytes); a trainer's, whose chunks have many rows, one.
+
+    Raises (:meth:`form`):
+        ValueError: the weight changed in place after packing (its version counter moved) and a
+            form not yet built is asked for: the caller repacks after each weight change.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach()
+        self.shape = tuple(weight.shape)
+        self._version = None if self.weight.is_inference() else self.weight._version
+        self._forms: dict[str, torch.Tensor | None] = {}
+
+    def form(self, backend: str) -> torch.Tensor | None:
+        """``backend``'s form of the weight (None where that backend cannot pack it)."""
+        if backend not in self._forms:
+            if self._version is not None and self.weight._version != self._version:
+                raise ValueError("linear_bf16_f32: the weight changed in place since pack_bf16(weight); "
+                                 "repack it with pack_bf16(weight) after each change")
+            self._forms[backend] = _pack(self.weight, backend)
+        return self._forms[backend]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedBF16 | None, backend: str) -> torch.Tensor | None:
     (m, k), n = x.shape, weight.shape[0]
+    if packed is not None and packed.shape != tuple(weight.shape):
+        raise ValueError(f"linear_bf16_f32: packed holds a {list(packed.shape)} weight, not this "
+                         f"[{n}, {k}] one; repack it with pack_bf16(weight)")
+    form = packed.form(backend) if packed is not None else None
     if backend == "onednn":
-        if packed is not None and (packed.shape != weight.shape or packed.dtype != torch.float32):
-            raise ValueError(f"linear_bf16_f32: packed is {packed.dtype} {tuple(packed.shape)}, not the fp32 "
-                             f"copy of a [{n}, {k}] weight; repack it with pack_bf16(weight)")
-        w32 = packed if packed is not None else weight.float()
+        w32 = form if form is not None else weight.float()
         with _bf16_math():
             return torch.mm(x.float(), w32.t())
     lib = library()
     out = torch.empty(m, n, dtype=torch.float32)
     if m == 0 or n == 0:
         return out
-    if packed is not None:
-        if packed.numel() != -(-n // 32) * 32 * k // 2:
-            raise ValueError(f"linear_bf16_f32: packed has {packed.numel()} pairs, not those of a "
-                             f"[{n}, {k}] weight; repack it with pack_bf16(weight)")
-        rc = lib.gemm_bf16_f32_packed(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(),
+    if form is not None:
+        rc = lib.gemm_bf16_f32_packed(x.data_ptr(), x.stride(0), form.data_ptr(), out.data_ptr(),
                                       out.stride(0), m, n, k, torch.get_num_threads())
     else:
         rc = lib.gemm_bf16_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
@@ -335,24 +392,22 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, 
     return out if rc == 0 else None
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [N, K] bf16 in the form :func:`linear_bf16_f32` multiplies fastest on this
-    machine's :func:`bf16_gemm_backend`, for a weight multiplied many times between changes (the
-    server's LM head; the trainer's head across its chunks): ``native``: ``ceil(N/32)`` VNNI
-    panels of ``[K/2, 32]`` pairs (``ceil(N/32)·32·K`` bf16 values as int32 pairs; saves
-    ~2.5 ms per call for a [49152, 576] head on 2 cores); ``onednn``: the [N, K] float32 copy
-    (saves the widening, ~23 ms for that head). None where the GEMM cannot run (see
+def pack_bf16(weight: torch.Tensor) -> PackedBF16 | None:
+    """``weight`` [N, K] bf16 prepared for :func:`linear_bf16_f32` on this machine's backends
+    (:class:`PackedBF16`), for a weight multiplied many times between changes (the server's LM
+    head; the trainer's head across its chunks). None where the GEMM cannot run (see
     :func:`linear_bf16_f32`)."""
     if not _gemm_ok(weight):
         return None
-    return _pack(weight, bf16_gemm_backend())
+    return PackedBF16(weight)
 
 
-def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor, packed: PackedBF16 | None = None) -> torch.Tensor | None:
     """``x @ weight.T`` of bfloat16 operands as float32: every product is exact (a bf16 x bf16
     product fits fp32's mantissa) and summed in fp32, so the result equals
     ``x.float() @ weight.float().T`` up to the order of the fp32 additions (relative ~1e-6).
-    Multiplied by :func:`bf16_gemm_backend` (the native AVX-512 BF16 kernel or oneDNN).
+    Multiplied by :func:`bf16_gemm_backend` for ``x``'s row count (the native AVX-512 BF16
+    kernel or oneDNN).
 
     Args:
         x: ``[M, K]`` bfloat16 on the CPU, last dimension contiguous, ``K`` even.
@@ -367,12 +422,13 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor 
         fp32 GEMM.
 
     Raises:
-        ValueError: ``packed`` is not the packing of a weight of ``weight``'s shape.
+        ValueError: ``packed`` is not the packing of a weight of ``weight``'s shape, or its
+            weight changed in place since.
     """
     if not _gemm_ok(x, weight) or x.shape[1] != weight.shape[1]:
         return None
     with torch.profiler.record_function("arealite::gemm_bf16_f32"):  # named in profiles
-        return _linear(x, weight, packed, bf16_gemm_backend())
+        return _linear(x, weight, packed, bf16_gemm_backend(x.shape[0]))
 
 
 def _logits_ok(logits: torch.Tensor, labels: torch.Tensor) -> bool:

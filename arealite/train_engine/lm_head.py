@@ -32,7 +32,7 @@ def _scale(temperature: float) -> float:
     return 1.0 if temperature in (0.0, 1.0) else float(temperature)
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+def _packed(weight: torch.Tensor) -> native.PackedBF16 | None:
     """:func:`arealite.native.pack_bf16` of a bf16 CPU head weight (once per forward or backward,
     for all its chunks), else None."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
@@ -41,7 +41,7 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: float,
-                  packed: torch.Tensor | None = None) -> torch.Tensor:
+                  packed: native.PackedBF16 | None = None) -> torch.Tensor:
     """[c, V] float32 logits / T of one chunk. The logits are fp32 whatever the model dtype
     (bf16 logits are off by ~0.04 at |logit| 10, a train-inference mismatch of its own; MiniMax-M1,
     arXiv:2506.13585, section 3.3, likewise keeps the LM head in fp32). bf16 operands on a CPU
