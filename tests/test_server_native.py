@@ -78,6 +78,30 @@ def test_strided_views_and_non_contiguous_queries():
     assert torch.equal(out, native.decode_attention(q, k_buf, v_buf, lens, 0.125))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_keys_and_values_are_written_at_each_rows_last_position_first(dtype):
+    """With this step's keys/values (strided views, as the server's transposed projections are)
+    the kernel writes them at position lens[r] - 1 of row r, touches nothing else, and attends
+    over them: the same buffers and output as writing them first and attending without."""
+    b, hkv, g, d = 4, 3, 3, 64
+    q, k_buf, v_buf, lens = _case(b, hkv, g, d, rows=b + 1, capacity=40, dtype=dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    k_new = torch.randn(b, 1, hkv, d, generator=gen).to(dtype).transpose(1, 2)[:, :, 0]  # strides (hkv*d, d, 1)
+    v_new = torch.randn(b, 5 * hkv * d, generator=gen).to(dtype)[:, 2 * hkv * d:3 * hkv * d].view(b, hkv, d)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    for r in range(b):
+        k_ref[r, :, int(lens[r]) - 1], v_ref[r, :, int(lens[r]) - 1] = k_new[r], v_new[r]
+    ref = native.decode_attention(q, k_ref, v_ref, lens, d ** -0.5)
+    out = native.decode_attention(q, k_buf, v_buf, lens, d ** -0.5, k_new, v_new)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    assert torch.equal(out, ref)
+    assert not torch.equal(k_ref, _case(b, hkv, g, d, rows=b + 1, capacity=40, dtype=dtype, seed=3)[1])
+    # both or neither, of q's dtype and [b, hkv, d]: else None (the caller writes and runs SDPA)
+    assert native.decode_attention(q, k_buf, v_buf, lens, 1.0, k_new, None) is None
+    assert native.decode_attention(q, k_buf, v_buf, lens, 1.0, k_new.double(), v_new.double()) is None
+    assert native.decode_attention(q, k_buf, v_buf, lens, 1.0, k_new[:2], v_new[:2]) is None
+
+
 def test_unsupported_inputs_return_none_for_the_sdpa_fallback():
     q, k_buf, v_buf, lens = _case(2, 1, 1, 8, rows=2, capacity=4, dtype=torch.float32)
     assert native.decode_attention(q.double(), k_buf.double(), v_buf.double(), lens, 1.0) is None

@@ -147,7 +147,7 @@ def library() -> ctypes.CDLL | None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (lib.decode_attention_bf16, lib.decode_attention_f32):
-        fn.argtypes = [p, p, p, p, p] + [i64] * 10 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [p, p, p, p, p] + [i64] * 10 + [ctypes.c_float, ctypes.c_int, p, i64, i64, p, i64, i64]
         fn.restype = ctypes.c_int
     lib.gemm_bf16_f32.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
     lib.pack_bf16_vnni.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
@@ -162,9 +162,11 @@ def library() -> ctypes.CDLL | None:
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lens: torch.Tensor,
-                     scale: float) -> torch.Tensor | None:
+                     scale: float, k_new: torch.Tensor | None = None,
+                     v_new: torch.Tensor | None = None) -> torch.Tensor | None:
     """Grouped-query attention of one query token per row over the slot KV cache, reading row
-    ``r``'s positions ``[0, lens[r])`` only (Vaswani et al. 2017, eq. 1, per KV-head group).
+    ``r``'s positions ``[0, lens[r])`` only (Vaswani et al. 2017, eq. 1, per KV-head group),
+    after writing this step's keys and values at position ``lens[r] - 1`` when given.
 
     Args:
         q: ``[b, hkv, g, d]`` queries (``g`` query heads per KV head, ``g <= 16``, ``d <= 256``),
@@ -173,25 +175,37 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             last dimension contiguous (any other strides).
         lens: ``[b]`` int64 positions to attend per row, each in ``[1, capacity]``.
         scale: the factor of ``q.k`` (``1/sqrt(d)`` for standard attention).
+        k_new, v_new: optional ``[b, hkv, d]`` keys and values of this step (``q``'s dtype, last
+            dimension contiguous, any other strides), written into the buffers at row ``r``,
+            position ``lens[r] - 1`` before the attention (both or neither).
 
     Returns:
         ``[b, hkv, g, d]`` in ``q``'s dtype (fp32 scores, softmax and sums inside), or None when
-        the kernel cannot run these inputs here (the caller uses SDPA).
+        the kernel cannot run these inputs here (the caller writes the new keys and values
+        itself and uses SDPA; the buffers may already hold them).
     """
+    new = (k_new, v_new)
     if (q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32)
             or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype
-            or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1):
+            or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1
+            or (k_new is None) != (v_new is None)
+            or (k_new is not None and any(t.dtype != q.dtype or t.shape != (q.shape[0], q.shape[1], q.shape[3])
+                                          or t.stride(-1) != 1 for t in new))):
         return None
     lib = library()
     if lib is None:
         return None
     q = q.contiguous()
-    lens = lens.to(torch.int64).contiguous()
+    if lens.dtype != torch.int64 or not lens.is_contiguous():
+        lens = lens.to(torch.int64).contiguous()
     b, hkv, g, d = q.shape
     out = torch.empty_like(q)
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
+    written = ((k_new.data_ptr(), *k_new.stride()[:2], v_new.data_ptr(), *v_new.stride()[:2])
+               if k_new is not None else (None, 0, 0, None, 0, 0))
     rc = fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), lens.data_ptr(),
-            b, hkv, g, d, *k_buf.stride()[:3], *v_buf.stride()[:3], float(scale), torch.get_num_threads())
+            b, hkv, g, d, *k_buf.stride()[:3], *v_buf.stride()[:3], float(scale), torch.get_num_threads(),
+            *written)
     return out if rc == 0 else None
 
 

@@ -248,17 +248,34 @@ static void item_bf16_avx512(const uint16_t *q, const uint16_t *k, const uint16_
 
 /* q, out: [b, hkv, g, d] contiguous. k, v: element strides per row (k_sb), per KV head (k_sh) and
  * per position (k_st); the head dimension is contiguous. lens: int64 [b], each in [1, capacity].
- * Returns 0, or -1 when g > MAX_GROUP, d > MAX_DIM or scratch could not be allocated (the caller
- * then uses another implementation). */
+ * k_new, v_new: NULL, or this step's keys and values [b, hkv, d] (element strides per row and per
+ * KV head, head dimension contiguous), written at position lens[r] - 1 of row r before any row
+ * attends (one pass over all rows, then the attention: the server's per-layer KV write without
+ * two indexed tensor writes).
+ * Returns 0, or -1 when g > MAX_GROUP, d > MAX_DIM (nothing written) or scratch could not be
+ * allocated (the caller then uses another implementation; writing the new keys and values again
+ * is harmless). */
 #define DEFINE_KERNEL(NAME, ITEM, FAST, T)                                                              \
-    int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *lens, int64_t b,          \
+    int NAME(const T *q, T *k, T *v, T *out, const int64_t *lens, int64_t b,                      \
              int64_t hkv, int64_t g, int64_t d, int64_t k_sb, int64_t k_sh, int64_t k_st,          \
-             int64_t v_sb, int64_t v_sh, int64_t v_st, float scale, int nthreads) {                \
+             int64_t v_sb, int64_t v_sh, int64_t v_st, float scale, int nthreads,                  \
+             const T *k_new, int64_t kn_sb, int64_t kn_sh, const T *v_new, int64_t vn_sb,          \
+             int64_t vn_sh) {                                                                      \
         if (g > MAX_GROUP || d > MAX_DIM || g < 1 || d < 1) return -1;                             \
         int64_t max_len = 1;                                                                       \
         for (int64_t r = 0; r < b; r++) max_len = lens[r] > max_len ? lens[r] : max_len;           \
         int failed = 0;                                                                            \
         _Pragma("omp parallel num_threads(nthreads)") {                                            \
+            if (k_new && v_new) {                                                                  \
+                _Pragma("omp for")                                                                 \
+                for (int64_t it = 0; it < b * hkv; it++) {                                         \
+                    const int64_t r = it / hkv, h = it % hkv, t = lens[r] - 1;                     \
+                    memcpy(k + r * k_sb + h * k_sh + t * k_st, k_new + r * kn_sb + h * kn_sh,      \
+                           d * sizeof(T));                                                         \
+                    memcpy(v + r * v_sb + h * v_sh + t * v_st, v_new + r * vn_sb + h * vn_sh,      \
+                           d * sizeof(T));                                                         \
+                } /* the loop's implicit barrier: every row's new KV is in before any attends */   \
+            }                                                                                      \
             float *s = (float *)malloc(sizeof(float) * g * max_len);                               \
             if (!s) {                                                                              \
                 _Pragma("omp atomic write") failed = 1;                                            \

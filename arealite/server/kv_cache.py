@@ -244,12 +244,13 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     if not ctx.segments:  # decode
         b, hq, _, d = query.shape
         hkv = key.shape[1]
-        rows = torch.arange(b, device=query.device)
-        k_buf[rows, :, ctx.pos] = key[:, :, 0]
-        v_buf[rows, :, ctx.pos] = value[:, :, 0]
         q = query.reshape(b, hkv, hq // hkv, d)
-        out = native.decode_attention(q, k_buf, v_buf, ctx.lens, d ** -0.5 if scaling is None else scaling)
+        out = native.decode_attention(q, k_buf, v_buf, ctx.lens, d ** -0.5 if scaling is None else scaling,
+                                      key[:, :, 0], value[:, :, 0])  # the kernel writes the new KV too
         if out is None:
+            rows = torch.arange(b, device=query.device)
+            k_buf[rows, :, ctx.pos] = key[:, :, 0]
+            v_buf[rows, :, ctx.pos] = value[:, :, 0]
             out = sdpa(q, k_buf[:b, :, :ctx.kv_len], v_buf[:b, :, :ctx.kv_len], attn_mask=ctx.mask,
                        scale=scaling)
         return out.reshape(b, hq, 1, d).transpose(1, 2), None
