@@ -23,9 +23,9 @@ tokens/s = useful generated tokens / wall time. With ``--repeats R`` the servers
 of the same shape (seeds ``--seed`` .. ``--seed + R - 1``: fresh prompts each time, so no run
 reuses another's cached prefixes), each system all R in a row; every run's tokens/s is printed
 and the speed-ups are ratios of the medians (the HF baselines run the first workload only).
-``--interleave`` (with ``--backend vllm --skip-weight-update``) keeps both servers up and
-alternates them, our server then vLLM on each workload after 2 s of quiet, and also prints each
-pair's ratio: on a host whose speed drifts over minutes (the shared AMX Xeon: a GEMM's rate moved
+``--interleave`` (with ``--backend vllm --skip-weight-update --turns 1``) keeps both servers up
+and alternates them on each workload after 2 s of quiet, ours first on even workloads and vLLM
+first on odd ones (a steady drift then favours neither), and also prints each pair's ratio: on a host whose speed drifts over minutes (the shared AMX Xeon: a GEMM's rate moved
 2x between runs) a pair is measured under nearly the same conditions.
 
 With ``--turns T`` every request is an episode of T turns: turn t+1's prompt is turn t's prompt +
@@ -272,8 +272,9 @@ def interleaved(args, model_path: str, loads) -> None:
         for name, (_, addr) in servers.items():
             asyncio.run(_server_run(addr, [(loads[0][0][0][:8], 2)], args, kinds[name]))  # warm-up
         rates = {name: [] for name in servers}
-        for load in loads:
-            for name, (_, addr) in servers.items():
+        for i, load in enumerate(loads):
+            for name in (("server", "vllm") if i % 2 == 0 else ("vllm", "server")):
+                addr = servers[name][1]
                 time.sleep(2.0)  # the other server's OpenMP threads stop spinning
                 rates[name].append(sum(n for _, n in load) * args.turns
                                    / asyncio.run(_server_run(addr, load, args, kinds[name])))

@@ -69,9 +69,12 @@ def test_prepacked_weight_gives_the_same_product(backend):
         assert form.dtype == torch.float32 and torch.equal(form, w.float())
     with pytest.raises(ValueError, match="repack"):
         native.linear_bf16_f32(x, w[:500], packed)
-    w.add_(1)  # changed in place after packing: a form not built yet is refused
+    w.add_(1)  # changed in place after packing: the built form and one not built yet are refused
+    for other in (backend, "onednn" if backend == "native" else "native"):
+        with pytest.raises(ValueError, match="changed in place.*repack"):
+            packed.form(other)
     with pytest.raises(ValueError, match="changed in place.*repack"):
-        packed.form("onednn" if backend == "native" else "native")
+        native.linear_bf16_f32(x, w, packed)
 
 
 def test_backend_is_chosen_by_measurement_per_row_count_and_can_be_forced(monkeypatch, caplog):

@@ -100,6 +100,14 @@ def test_new_keys_and_values_are_written_at_each_rows_last_position_first(dtype)
     assert native.decode_attention(q, k_buf, v_buf, lens, 1.0, k_new, None) is None
     assert native.decode_attention(q, k_buf, v_buf, lens, 1.0, k_new.double(), v_new.double()) is None
     assert native.decode_attention(q, k_buf, v_buf, lens, 1.0, k_new[:2], v_new[:2]) is None
+    # a length past the buffers' capacity, or buffers of fewer rows / other heads: None, and
+    # nothing written (the indexed write it replaced raised instead of writing out of bounds)
+    before = k_buf.clone()
+    assert native.decode_attention(q, k_buf, v_buf, lens.clone().fill_(41), 1.0, k_new, v_new) is None
+    assert native.decode_attention(q, k_buf, v_buf, lens * 0, 1.0, k_new, v_new) is None
+    assert native.decode_attention(q, k_buf[:b - 1], v_buf[:b - 1], lens, 1.0, k_new, v_new) is None
+    assert native.decode_attention(q, k_buf[:, :2], v_buf[:, :2], lens, 1.0, k_new, v_new) is None
+    assert torch.equal(k_buf, before)
 
 
 def test_unsupported_inputs_return_none_for_the_sdpa_fallback():

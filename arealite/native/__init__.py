@@ -23,7 +23,7 @@ logits equal the widened fp32 GEMM's up to the order of the fp32 sums
 (``tests/test_native_gemm.py``; speed in docs/performance.md, ``benchmarks/train_profile.py``).
 On a CPU with AMX, oneDNN's tile units do the same product faster through torch's fp32 matmul
 with bf16 inputs allowed (``torch.backends.mkldnn.matmul.fp32_precision``): which of the two
-runs is measured once per process (:func:`bf16_gemm_backend`).
+runs is measured once per process, per row count (:func:`bf16_gemm_backend`).
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp``, into
 ``<cache_dir()>/kernels/`` under a name hashing the source, the flags, the compiler's version and
@@ -147,7 +147,7 @@ def library() -> ctypes.CDLL | None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (lib.decode_attention_bf16, lib.decode_attention_f32):
-        fn.argtypes = [p, p, p, p, p] + [i64] * 10 + [ctypes.c_float, ctypes.c_int, p, i64, i64, p, i64, i64]
+        fn.argtypes = [p, p, p, p, p] + [i64] * 10 + [ctypes.c_float, ctypes.c_int, p, i64, i64, p, i64, i64, i64]
         fn.restype = ctypes.c_int
     lib.gemm_bf16_f32.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
     lib.pack_bf16_vnni.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
@@ -173,7 +173,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             bfloat16 or float32, on the CPU.
         k_buf, v_buf: ``[rows >= b, hkv, capacity, d]`` key/value buffers of ``q``'s dtype, the
             last dimension contiguous (any other strides).
-        lens: ``[b]`` int64 positions to attend per row, each in ``[1, capacity]``.
+        lens: ``[b]`` int64 positions to attend per row, each in ``[1, capacity]`` (else None:
+            the kernel reads and writes nothing).
         scale: the factor of ``q.k`` (``1/sqrt(d)`` for standard attention).
         k_new, v_new: optional ``[b, hkv, d]`` keys and values of this step (``q``'s dtype, last
             dimension contiguous, any other strides), written into the buffers at row ``r``,
@@ -195,22 +196,24 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     lib = library()
     if lib is None:
         return None
+    b, hkv, g, d = q.shape
+    if any(t.dim() != 4 or t.shape[0] < b or t.shape[1] != hkv or t.shape[3] != d for t in (k_buf, v_buf)):
+        return None
     q = q.contiguous()
     if lens.dtype != torch.int64 or not lens.is_contiguous():
         lens = lens.to(torch.int64).contiguous()
-    b, hkv, g, d = q.shape
     out = torch.empty_like(q)
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
     written = ((k_new.data_ptr(), *k_new.stride()[:2], v_new.data_ptr(), *v_new.stride()[:2])
                if k_new is not None else (None, 0, 0, None, 0, 0))
     rc = fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), lens.data_ptr(),
             b, hkv, g, d, *k_buf.stride()[:3], *v_buf.stride()[:3], float(scale), torch.get_num_threads(),
-            *written)
+            *written, min(k_buf.shape[2], v_buf.shape[2]))
     return out if rc == 0 else None
 
 
 _GEMM_BACKENDS = ("native", "onednn")
-_PROBE_ROWS = (2, 8, 16, 32, 128)  # row counts timed; m rows use the choice of the first probe >= m
+_PROBE_ROWS = (2, 8, 12, 16, 32, 128)  # row counts timed; m rows use the choice of the first probe >= m
 _PROBE_NK = (32768, 576)  # N, K of the timed products: a vocabulary-sized LM head
 
 
@@ -309,7 +312,7 @@ def bf16_gemm_backend(rows: int | None = None) -> str | None:
     ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``: oneDNN rounds the inputs to bf16
     — exact here, they are bf16 numbers — and sums in fp32; on a CPU with AMX it runs on the tile
     units). Each available one multiplies ``[m, 576] · [576, 32768]`` (a vocabulary-sized head,
-    pre-packed) three times for m = 2, 8, 16, 32 and 128 (about 0.5 s, logged at INFO); a product
+    pre-packed) three times for m = 2, 8, 12, 16, 32 and 128 (about 0.6 s, logged at INFO); a product
     of ``rows`` rows uses the faster at the first of those ``>= rows`` (128's beyond). The row count
     matters: on the 2-core Intel Xeon with AMX (2026-12-05) a [m, 576] · [576, 49152] LM head
     took 1.8 ms native against 7.9 ms oneDNN at 1 row (the native kernel streams the bf16
@@ -360,11 +363,13 @@ class PackedBF16:
     panels of ``[K/2, 32]`` pairs (``ceil(N/32)·32·K`` bf16 values as int32 pairs; saves ~2.5 ms
     per call for a [49152, 576] head on 2 cores); ``onednn``: the [N, K] float32 copy (saves the
     widening, ~23 ms for that head). A server's head that sees both few and many rows holds
-    both (3x the weight's bytes); a trainer's, whose chunks have many rows, one.
+    both (3x the weight's bytes); a trainer's mostly one (its chunks have many rows; a last
+    chunk of a few rows builds the other too).
 
     Raises (:meth:`form`):
-        ValueError: the weight changed in place after packing (its version counter moved) and a
-            form not yet built is asked for: the caller repacks after each weight change.
+        ValueError: the weight changed in place after packing (its version counter moved; not
+            checked for inference tensors, which have none): the caller repacks after each
+            weight change.
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -375,10 +380,10 @@ class PackedBF16:
 
     def form(self, backend: str) -> torch.Tensor | None:
         """``backend``'s form of the weight (None where that backend cannot pack it)."""
+        if self._version is not None and self.weight._version != self._version:
+            raise ValueError("linear_bf16_f32: the weight changed in place since pack_bf16(weight); "
+                             "repack it with pack_bf16(weight) after each change")
         if backend not in self._forms:
-            if self._version is not None and self.weight._version != self._version:
-                raise ValueError("linear_bf16_f32: the weight changed in place since pack_bf16(weight); "
-                                 "repack it with pack_bf16(weight) after each change")
             self._forms[backend] = _pack(self.weight, backend)
         return self._forms[backend]
 

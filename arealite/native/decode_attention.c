@@ -252,18 +252,22 @@ static void item_bf16_avx512(const uint16_t *q, const uint16_t *k, const uint16_
  * KV head, head dimension contiguous), written at position lens[r] - 1 of row r before any row
  * attends (one pass over all rows, then the attention: the server's per-layer KV write without
  * two indexed tensor writes).
- * Returns 0, or -1 when g > MAX_GROUP, d > MAX_DIM (nothing written) or scratch could not be
- * allocated (the caller then uses another implementation; writing the new keys and values again
- * is harmless). */
+ * capacity: positions each row of k and v holds.
+ * Returns 0, or -1 when g > MAX_GROUP, d > MAX_DIM or a length is outside [1, capacity] (nothing
+ * read or written) or scratch could not be allocated (the caller then uses another
+ * implementation; writing the new keys and values again is harmless). */
 #define DEFINE_KERNEL(NAME, ITEM, FAST, T)                                                              \
     int NAME(const T *q, T *k, T *v, T *out, const int64_t *lens, int64_t b,                      \
              int64_t hkv, int64_t g, int64_t d, int64_t k_sb, int64_t k_sh, int64_t k_st,          \
              int64_t v_sb, int64_t v_sh, int64_t v_st, float scale, int nthreads,                  \
              const T *k_new, int64_t kn_sb, int64_t kn_sh, const T *v_new, int64_t vn_sb,          \
-             int64_t vn_sh) {                                                                      \
+             int64_t vn_sh, int64_t capacity) {                                                    \
         if (g > MAX_GROUP || d > MAX_DIM || g < 1 || d < 1) return -1;                             \
         int64_t max_len = 1;                                                                       \
-        for (int64_t r = 0; r < b; r++) max_len = lens[r] > max_len ? lens[r] : max_len;           \
+        for (int64_t r = 0; r < b; r++) {                                                          \
+            if (lens[r] < 1 || lens[r] > capacity) return -1;                                      \
+            max_len = lens[r] > max_len ? lens[r] : max_len;                                       \
+        }                                                                                          \
         int failed = 0;                                                                            \
         _Pragma("omp parallel num_threads(nthreads)") {                                            \
             if (k_new && v_new) {                                                                  \
