@@ -48,6 +48,17 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
 }
 
+/* Each of the g rows of s (len scores each) -> exp(score - row max) in place; sum[j] = row j's sum. */
+static inline void softmax_rows(float *s, int64_t g, int64_t len, float *sum) {
+    for (int64_t j = 0; j < g; j++) {
+        float *sj = s + j * len, m = sj[0], z = 0.f;
+        for (int64_t t = 1; t < len; t++) m = sj[t] > m ? sj[t] : m;
+        for (int64_t t = 0; t < len; t++) sj[t] = expf(sj[t] - m);
+        for (int64_t t = 0; t < len; t++) z += sj[t];
+        sum[j] = z;
+    }
+}
+
 /* One (row, KV head): q [g, d], keys/values at k + t * k_st, v + t * v_st (t < len), out [g, d].
  * s: scratch of g * len floats. */
 #define DEFINE_ITEM(NAME, T, LOAD, STORE)                                                          \
@@ -70,13 +81,7 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
                 s[j * len + t] = dot;                                                              \
             }                                                                                      \
         }                                                                                          \
-        for (int64_t j = 0; j < g; j++) {                                                          \
-            float *sj = s + j * len, m = sj[0], z = 0.f;                                           \
-            for (int64_t t = 1; t < len; t++) m = sj[t] > m ? sj[t] : m;                           \
-            for (int64_t t = 0; t < len; t++) sj[t] = expf(sj[t] - m);                             \
-            for (int64_t t = 0; t < len; t++) z += sj[t];                                          \
-            sum[j] = z;                                                                            \
-        }                                                                                          \
+        softmax_rows(s, g, len, sum);                                                              \
         for (int64_t i = 0; i < g * d; i++) acc[i] = 0.f;                                          \
         for (int64_t t = 0; t < len; t++) {                                                        \
             const T *vt = v + t * v_st;                                                            \
@@ -137,7 +142,7 @@ static inline __m512 widen16(const uint16_t *p) {
 /* s[j * len + t] = scale * q_j . k_t for t < len (NV2 = d / 32 bf16 pairs-vectors per row) */
 #define DEFINE_SCORES(NAME, NV2)                                                                    \
     static inline void NAME(const uint16_t *q, const uint16_t *k, int64_t len, int64_t g,           \
-                            int64_t k_st, int64_t v_first_prefetch_ok, const uint16_t *v,           \
+                            int64_t k_st, const uint16_t *v,                                        \
                             int64_t v_st, float scale, float *s) {                                  \
         const int64_t d = 32 * NV2, pf = PREFETCH_BYTES / (d * 2) + 1;                              \
         const __m512 sc = _mm512_set1_ps(scale);                                                    \
@@ -147,7 +152,7 @@ static inline __m512 widen16(const uint16_t *p) {
                 const int64_t t = t0 + tt;                                                          \
                 if (t + pf < len)                                                                   \
                     prefetch_row(k + (t + pf) * k_st, d * 2);                                       \
-                else if (v_first_prefetch_ok && t + pf - len < len)                                 \
+                else if (t + pf - len < len)                                                        \
                     prefetch_row(v + (t + pf - len) * v_st, d * 2);                                 \
             }                                                                                       \
             for (int64_t j = 0; j < g; j++) {                                                       \
@@ -205,17 +210,11 @@ static void item_bf16_avx512(const uint16_t *q, const uint16_t *k, const uint16_
                              int64_t v_st, float scale, float *s) {
     float acc[MAX_GROUP * MAX_DIM];
     if (d == 64)
-        scores_d64(q, k, len, g, k_st, 1, v, v_st, scale, s);
+        scores_d64(q, k, len, g, k_st, v, v_st, scale, s);
     else
-        scores_d128(q, k, len, g, k_st, 1, v, v_st, scale, s);
+        scores_d128(q, k, len, g, k_st, v, v_st, scale, s);
     float sum[MAX_GROUP];
-    for (int64_t j = 0; j < g; j++) {
-        float *sj = s + j * len, m = sj[0], z = 0.f;
-        for (int64_t t = 1; t < len; t++) m = sj[t] > m ? sj[t] : m;
-        for (int64_t t = 0; t < len; t++) sj[t] = expf(sj[t] - m);
-        for (int64_t t = 0; t < len; t++) z += sj[t];
-        sum[j] = z;
-    }
+    softmax_rows(s, g, len, sum);
     const int64_t pf = PREFETCH_BYTES / (d * 2) + 1;
     for (int64_t j0 = 0; j0 < g;) {
         const int64_t left = g - j0;
