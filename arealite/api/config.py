@@ -270,7 +270,8 @@ class EvalConfig:
 
 @dataclass
 class LauncherConfig:
-    """Where the processes of a run go (docs/cluster.md). ``local``: ``torchrun`` on this machine,
+    """Where the processes of a run go (docs/cluster.md); the command that starts the recipe picks
+    the launcher, not a field. ``torchrun`` (local): this machine,
     servers launched by trainer rank 0 (``arealite/launcher/local.py``). ``ray`` / ``slurm``:
     ``python -m arealite.launcher.ray|slurm RECIPE [flags]`` places ``rollout.n_servers`` servers
     (``rollout.server_threads`` CPUs and ``server_gpus`` GPUs each) and ``trainer_ranks`` trainer
@@ -278,7 +279,6 @@ class LauncherConfig:
     ``trainer_nodes`` nodes) on the cluster; checked against what the cluster has before anything
     starts."""
 
-    type: Literal["local", "ray", "slurm"] = "local"  # set by the launcher module that runs the recipe
     n_nodes: int = 1  # nodes of the job; servers use the n_nodes − trainer_nodes others (all when equal)
     trainer_nodes: int = 1  # nodes that run trainer ranks (trainer_ranks / trainer_nodes per node)
     trainer_ranks: int = 1  # torch.distributed world size of the trainer

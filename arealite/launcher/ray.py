@@ -205,7 +205,7 @@ def _run_once(args, config: dict, placement: Placement, pg, attempt: int) -> tup
         with open(os.path.join(out, "logs", "placement.json"), "w") as f:
             json.dump({"attempt": attempt, "servers": infos, "trainers": tinfo}, f, indent=1)
         master, port = tinfo[0]["ip"], tinfo[0]["port"]
-        cmd = trainer_argv(os.path.abspath(args.recipe), [*args.args, "--launcher.type", "ray"], addresses,
+        cmd = trainer_argv(os.path.abspath(args.recipe), list(args.args), addresses,
                            config, launcher.trainer_cpus)
         runs = {}
         for r, t in enumerate(trainers):

@@ -131,7 +131,7 @@ def job_script(recipe: str, args: list[str], config: dict, plan: dict, plan_path
     else:
         rdzv = (f"--nnodes={len(t_nodes)} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
                 f"--rdzv_endpoint=${{NODES[{t_nodes[0]}]}}:$((20000 + SLURM_JOB_ID % 20000))")
-    cmd = trainer_argv(os.path.abspath(recipe), [*args, "--launcher.type", "slurm"], ["__ADDRS__"] if n_servers else [],
+    cmd = trainer_argv(os.path.abspath(recipe), list(args), ["__ADDRS__"] if n_servers else [],
                        config, launcher.trainer_cpus)
     recipe_args = " ".join(q(a) for a in cmd[1:]).replace("__ADDRS__", "$ADDRS")
     gpu_flag = f" --gpus-per-task={per_node * launcher.trainer_gpus}" if launcher.trainer_gpus else ""
