@@ -25,7 +25,8 @@ train s, trained tokens/s (prompt + completion tokens of the batch / s per step)
 length, peak RSS of the process tree (sampled every 0.5 s), the mean busy fraction of the
 machine's cores; each a median over steps 2..N (step 1 is warm-up), then the median over
 ``--repeats`` repetitions (systems interleaved: repetition 2 starts after every system ran
-once); then the ratios arealite/TRL and arealite/plain (s/step; < 1 = arealite faster). The
+once, and every other repetition runs the systems in reverse order so a host whose speed drifts
+favours none); then the ratios arealite/TRL and arealite/plain (s/step; < 1 = arealite faster). The
 header names the CPU, its bf16 flags, threads and package versions; ``--json`` (default
 ``benchmarks/results/vs_trl_<date>.json``) keeps everything.
 
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{name}] prompt 1 (identical text for every system): {batches[0][0]['messages'][0]['content']!r}", flush=True)
         runs: dict[str, list] = {s: [] for s in systems}
         for rep in range(args.repeats):
-            for s in systems:
+            for s in systems if rep % 2 == 0 else systems[::-1]:  # order reversed every other repetition: host drift cancels
                 print(f"[{name}] running {s}, repetition {rep + 1} ({args.steps} steps; logs in {root}) ...", flush=True)
                 spec = {"model_path": model_path, "batches": batches, "samples": args.samples, "dataset": path,
                         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "lr": args.lr,
