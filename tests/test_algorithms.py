@@ -267,6 +267,36 @@ def test_truncated_response_with_pad_equal_eos_is_penalised_from_loss_mask_lengt
         GRPO(GRPOAlgoConfig(loss_agg_mode="seq-mean-token-sum-norm"), _FakeActor(), group_size=2)
 
 
+def test_turn_lengths_are_the_longest_run_of_generated_tokens():
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0],   # turns of 3 and 2 -> 3
+                         [0, 0, 1, 1, 0, 1, 1, 1, 1],   # 2 and 4 (running to the end) -> 4
+                         [0, 0, 0, 0, 0, 0, 0, 0, 0],   # nothing generated -> 0
+                         [1, 1, 1, 1, 1, 1, 1, 1, 1]])  # one turn of 9 -> 9 (= the sum)
+    assert F.turn_lengths(mask).tolist() == [3, 4, 0, 9]
+    assert F.turn_lengths(mask.float()).tolist() == [3, 4, 0, 9]
+    assert F.turn_lengths(torch.zeros(2, 0)).tolist() == [0, 0]
+
+
+def test_overlong_penalty_of_a_multi_turn_episode_is_per_turn():
+    """L_max = gconfig.max_new_tokens is a per-turn budget: two 14-token turns under L_max 24
+    are not overlong (their sum, 28, would get -1); a 22-token turn is in the window."""
+    from arealite.workflow.multi_turn import Episode, episodes_to_batch
+
+    def episode(turns: list[int], reward: float) -> Episode:
+        ep = Episode()
+        for k, n in enumerate(turns):
+            ep.append([1, 2, 3 + k], False)  # the prompt / the tool's reply: masked out
+            ep.append(list(range(100, 100 + n)), True, [-0.1] * n, [0] * n)
+        ep.reward, ep.turns = reward, len(turns)
+        return ep
+
+    batch = episodes_to_batch([episode([14, 14], 0.9), episode([14], 1.0), episode([5, 22], 1.0), episode([25], 0.0)])
+    assert F.turn_lengths(batch["loss_mask"]).tolist() == [14, 14, 22, 25]
+    algo = GRPO(GRPOAlgoConfig(overlong_penalty=8), _FakeActor(), group_size=2, max_new_tokens=24)
+    # window starts at 24 - 8 = 16: 14 -> 0; 22 -> (16 - 22)/8 = -0.75; 25 > 24 -> -1
+    torch.testing.assert_close(algo.shaped_rewards(batch), torch.tensor([0.9, 1.0, 0.25, -1.0]), rtol=0, atol=1e-6)
+
+
 def test_dynamic_sampling_rejects_all_equal_groups_through_a_workflow_wrapper():
     assert not should_accept({"rewards": torch.tensor([1.0, 1.0, 1.0])})
     assert not should_accept({"rewards": torch.tensor([1.0])})

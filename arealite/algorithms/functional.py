@@ -356,6 +356,23 @@ def value_loss_per_token(values: torch.Tensor, old_values: torch.Tensor, returns
     return _zero_where_masked(loss, keep), stats
 
 
+def turn_lengths(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The longest run of consecutive generated tokens of each row: the length of its longest
+    model turn (each turn of a multi-turn episode has its own ``max_new_tokens`` budget; tool
+    output and the next prompt between turns are masked out). For a single-turn row it is the
+    response length ``loss_mask.sum(-1)``, correct even when the pad id equals the EOS id and the
+    response was truncated (no EOS), where scanning ids cannot tell.
+
+    Args: loss_mask [B, T] 0/1 (any dtype). Returns: [B] int64.
+    """
+    m = loss_mask > 0
+    count = m.long().cumsum(-1)  # [B, T] generated tokens up to t
+    # Count at the last masked-out position before t: a run's length is count - that.
+    before = torch.where(m, torch.zeros_like(count), count).cummax(-1).values
+    run = count - before
+    return run.max(-1).values if run.shape[-1] else torch.zeros(run.shape[0], dtype=torch.long)
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> torch.Tensor:
     """DAPO soft overlong punishment (arXiv 2503.14476, Eq. 13), times ``factor``::
 
@@ -363,8 +380,9 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, factor
                = ((L_max - L_cache) - |y|) / L_cache   if L_max - L_cache < |y| ≤ L_max
                = -1                              if |y| > L_max
 
-    Take ``lengths = loss_mask.sum(-1)``: it is the true response length even when the pad id
-    equals the EOS id and the response was truncated (no EOS), where scanning ids cannot tell.
+    Take ``lengths = turn_lengths(loss_mask)``: the response length of a single-turn row (even
+    when the pad id equals the EOS id and the response was truncated), the longest turn's of a
+    multi-turn episode, whose budget L_max is per turn.
 
     Args: lengths [B] int/float; max_len L_max (gconfig.max_new_tokens); cache_len L_cache in
     (0, L_max]. Returns: [B] float32 ≤ 0, added to the reward.

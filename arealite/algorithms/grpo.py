@@ -4,7 +4,7 @@ Objective per token of response i in a group of G responses to one prompt (token
 aggregation as in DAPO, arXiv 2503.14476, Eq. 12; decoupled for stale data as in AReaL,
 arXiv 2505.24298, Eq. 5)::
 
-    r_i   = reward_i + overlong_penalty(|y_i|)              # DAPO Eq. 13; off by default
+    r_i   = reward_i + overlong_penalty(|y_i|)              # DAPO Eq. 13; off by default (|y_i|: longest turn)
     A_i   = (r_i - mean_j r_j) / (std_j r_j + 1e-6)          # adv_norm_std=False: no division
             (A_i = 0 for the whole group when std_j r_j <= algo.adv_std_floor, default 1e-4)
     u_t   = π_θ(a_t|s_t) / π_prox(a_t|s_t)                  # π_prox: weights before this update
@@ -141,11 +141,13 @@ class GRPO(Algorithm):
 
     # -- Algorithm -------------------------------------------------------------------------------
     def shaped_rewards(self, batch: Batch) -> torch.Tensor:
-        """``rewards`` [B] plus the DAPO overlong penalty of the response length (the number of
-        generated tokens, from ``loss_mask``: correct even when pad == EOS and there is no EOS)."""
+        """``rewards`` [B] plus the DAPO overlong penalty of the response length: the longest
+        run of generated tokens of ``loss_mask`` (:func:`~arealite.algorithms.functional.turn_lengths`;
+        correct even when pad == EOS and there is no EOS; a multi-turn episode's longest turn,
+        since ``max_new_tokens`` is a per-turn budget)."""
         rewards = batch["rewards"].float()
         if self.config.overlong_penalty > 0:
-            lengths = (batch["loss_mask"] > 0).sum(-1)  # [B]
+            lengths = F.turn_lengths(batch["loss_mask"])  # [B]
             rewards = rewards + F.overlong_penalty(lengths, self.max_new_tokens, self.config.overlong_penalty,
                                                    self.config.overlong_penalty_factor)
         return rewards
