@@ -98,7 +98,10 @@ def test_a_list_or_tuple_containing_the_gold_number_scores_0(g, a, b, form, pre,
 @given(g=gold_int, a=other_int, pre=prefix,
        form=st.sampled_from(["The answer is {a} or {g}.", "It is either {a} or {g}.", "\\boxed{{{a}}} or \\boxed{{{g}}}",
                              "The answer is between {a} and {g}.", "so {a} or {g}", "The answer is {g} or {a}.",
-                             "$\\boxed{{{a}}}$ or $\\boxed{{{g}}}$", "the answer is {a} and {g}"]))
+                             "$\\boxed{{{a}}}$ or $\\boxed{{{g}}}$", "the answer is {a} and {g}",
+                             "\\boxed{{{a} \\lor {g}}}", "\\boxed{{{g} \\vee {a}}}", "\\boxed{{{a} | {g}}}",
+                             "The answer is ${g} \\mid {a}$.", "\\boxed{{{g} \\text{{ (or {a})}}}}",
+                             "The answer is {g} (or {a})."]))
 def test_a_hedge_between_two_values_scores_0(g, a, pre, form):
     if a == g:
         return

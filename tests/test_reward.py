@@ -142,6 +142,24 @@ def test_extract_final_answer_takes_the_whole_last_answer(text, expected):
     assert extract_final_answer(text) == expected
 
 
+@pytest.mark.parametrize("text", ["\\boxed{1.5 \\lor 2}", "\\boxed{1.5 \\vee 2}", "\\boxed{1.5 \\mid 2}",
+                                  "\\boxed{1.5|2}", "\\boxed{1.5 \\text{ (or 2)}}", "The answer is 1.5 (or 2).",
+                                  "\\boxed{2 \\text{ or } 1.5}", "$\\boxed{1.5}$ or $\\boxed{2}$"])
+def test_a_hedge_in_symbols_pays_for_neither_value(text):
+    """A disjunction (or, \\lor, \\vee, |, \\mid, an "or" inside \\text{}) is no single value."""
+    assert math_reward(text, "1.5") == 0.0 and math_reward(text, "2") == 0.0 and math_reward(text, "3/2") == 0.0
+
+
+def test_a_hedge_whose_alternatives_all_equal_the_gold_scores_1():
+    # a MATH reference solution ends "$\\boxed{x+11}$ or $\\boxed{11+x}$": both are the answer
+    assert math_reward("so $\\boxed{x+11}$ or $\\boxed{11+x}$", "11+x") == 1.0
+    assert math_reward("\\boxed{\\frac{3}{2} \\lor 1.5}", "1.5") == 1.0
+    assert math_reward("\\boxed{-2 \\text{ or } 1}", "1") == 0.0
+    # | writes an absolute value too: never split, so |-3| is not 3 and |x| is not x
+    assert math_reward("\\boxed{|-3|}", "3") == 0.0 and math_reward("\\boxed{|x|}", "x") == 0.0
+    assert math_reward("\\boxed{|x|}", "|x|") == 1.0
+
+
 # ---------------------------------------------------------------- RewardWorker
 def test_worker_normal_and_real_reward_fn():
     with RewardWorker(timeout=30) as w:

@@ -69,6 +69,13 @@ _TEXT_MARKER_RE = re.compile(
     r"|^[\s*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
 # A hedge joins two expressions into one compound answer ("6 or 7", "6 and 7", "1, 2, 7").
 _CONNECTORS = {"or", "and", "either", "between"}
+# A hedge in symbols or words ("1.5 \\lor 2", "1.5 \\vee 2", "1.5 | 2", "1.5 \\mid 2", "6 or 7"): an
+# answer holding one equals only an answer holding one (|x| against |x|), never a single value.
+_DISJUNCTION_RE = re.compile(r"\\(?:lor|vee|mid|vert|lvert|rvert)(?![A-Za-z])|\||\bor\b")
+_OR_RE = re.compile(r"\\(?:lor|vee)(?![A-Za-z])|\bor\b")
+# A \text{} holding a connector word and a value ("1.5 \text{ (or 2)}"): its words are the answer's.
+_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*\b(?:or|either)\b[^{}]*\d[^{}]*"
+                            r"|[^{}]*\d[^{}]*\b(?:or|either)\b[^{}]*)\}", re.I)
 # A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, spaces.
 _TOKEN_RE = re.compile(r"""
     (?P<text>\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{[^{}]*\})
@@ -292,6 +299,7 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     *between* two of its values other than a hedge ("3qr + 6q", "3:1", "4:30 p.m."), the whole
     text is the answer, not its first value."""
     text = strip_thousands_separators(_denoise(span))
+    text = _TEXT_HEDGE_RE.sub(r" \1 ", text)  # "1.5 \text{ (or 2)}" -> "1.5 (or 2)": a hedge, not a unit
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", text)  # \frac12
     text = re.sub(r"\s*\\%", "%", text)
@@ -464,8 +472,10 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         percentage also equals its value / 100), or, for anything else, when math-verify's
         ``verify`` holds on the whole expressions and no relative-precision check vetoes it. A
         calculation (``23 + 50``) never equals a plain-number gold; a compound hedge never equals
-        anything but the same text; answers with different numbers of commas (a list against a
-        scalar, a pair against a triple) are never equal. Never raises (a failing comparison is False).
+        anything but the same text, and an answer with a disjunction (``or``, ``\\lor``,
+        ``\\vee``, ``|``, ``\\mid``) never equals one without, unless every alternative of
+        an ``or`` / ``\\lor`` / ``\\vee`` equals it (``"x+11 or 11+x"`` against ``"11+x"``); answers with different numbers of
+        commas (a list against a scalar, a pair against a triple) are never equal. Never raises (a failing comparison is False).
     """
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
         return False
@@ -473,6 +483,14 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return True
     if pred.count(",") != gold.count(","):
         return False  # a list / tuple / interval never equals a scalar, nor one of another length
+    if bool(_DISJUNCTION_RE.search(pred)) != bool(_DISJUNCTION_RE.search(gold)):
+        # "1.5 \\lor 2", "1.5 | 2", "6 or 7": a hedge never equals a single answer, unless its
+        # alternatives are all that answer ("x+11 or 11+x"; not split at | and \\mid, which
+        # also write |x| and set-builder notation)
+        hedge, single = (pred, gold) if _DISJUNCTION_RE.search(pred) else (gold, pred)
+        members = [m.strip() for m in _OR_RE.split(hedge)]
+        return len(members) > 1 and all(m and not _DISJUNCTION_RE.search(m) and answers_equivalent(m, single)
+                                        for m in members)
     try:
         g, p = _number_candidates(gold), _number_candidates(pred)
         if g is not None:
