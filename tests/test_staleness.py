@@ -132,6 +132,29 @@ class FixedWorkflow(RolloutWorkflow):
         return self.trajectories[data["id"]]
 
 
+def _rows(n: int, reward: float) -> dict:
+    return {"input_ids": torch.full((n, 2), 7), "attention_mask": torch.ones(n, 2, dtype=torch.bool),
+            "loss_mask": torch.tensor([[0, 1]] * n), "logprobs": torch.zeros(n, 2),
+            "versions": torch.tensor([[-1, 0]] * n), "rewards": torch.full((n,), reward)}
+
+
+def test_an_episode_of_part_of_a_group_is_refused():
+    """Group baselines normalise over consecutive rows: episodes of 3 and 5 rows in groups of 4
+    would put a row of the second prompt in the first prompt's group. Whole groups (4, 8) pass."""
+    ex = make_executor(eta=0)
+    ex.group_size = 4
+    try:
+        wf = FixedWorkflow({0: _rows(4, 0.0), 1: _rows(8, 1.0), 2: _rows(3, 2.0)})
+        ex.submit({"id": 0}, wf)
+        ex.submit({"id": 1}, wf)
+        assert ex.wait(2, timeout=10)["rewards"].tolist() == [0.0] * 4 + [1.0] * 8
+        ex.submit({"id": 2}, wf)
+        with pytest.raises(ValueError, match=r"returned 3 rows, not a whole number of groups of 4 \(gconfig.n_samples\)"):
+            ex.wait(1, timeout=10)
+    finally:
+        ex.destroy()
+
+
 def test_stale_trajectory_is_dropped_never_returned():
     ex = make_executor(eta=1)
     try:

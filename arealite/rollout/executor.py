@@ -66,7 +66,13 @@ class WorkflowExecutor:
         engine: passed to every ``arun_episode`` (it generates); its ``get_version()`` is the
             trainer version v of the staleness rule.
         world_size: number of data-parallel trainer ranks.
+        group_size: rows of one group of the algorithm (GRPO's ``gconfig.n_samples``; 1 = no
+            groups). Every episode must return a whole number of groups: the group baselines
+            normalise over consecutive rows, so an episode of 3 rows in groups of 4 would mix
+            two prompts in one group. The RL loop sets it from ``algorithm.group_size``.
     """
+
+    group_size: int = 1
 
     def __init__(self, config: InferenceEngineConfig, engine: "InferenceEngine", world_size: int = 1):
         check_divisible("rollout.consumer_batch_size", config.consumer_batch_size, world_size)  # as validate_config
@@ -230,6 +236,13 @@ class WorkflowExecutor:
                 seq, traj = self._output.get(timeout=remaining)
             except queue.Empty:
                 continue
+            rows = traj["versions"].shape[0]
+            if rows % max(1, self.group_size):
+                raise ValueError(
+                    f"a rollout episode returned {rows} rows, not a whole number of groups of {self.group_size} "
+                    "(gconfig.n_samples): the algorithm normalises rewards over consecutive groups, so this would "
+                    "mix prompts; make RolloutWorkflow.arun_episode return gconfig.n_samples rows per prompt "
+                    "(or None to drop the episode)")
             generated = traj["versions"][traj["versions"] >= 0]
             min_version = int(generated.min()) if generated.numel() else -1
             if self.staleness.is_fresh(min_version, version):

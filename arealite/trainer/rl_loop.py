@@ -474,6 +474,7 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
     actor.initialize(model_path, config.total_train_steps)
     ref = _build_reference(config, actor, model_path, temperature)
     algorithm = build_algorithm(config, actor, ref)
+    executor.group_size = getattr(algorithm, "group_size", 1)  # episodes must bring whole groups
     run = RLRun(config, rank, world, _dynamic_sampling(config, workflow), workflow, valid_rows, loader,
                 inference_engine, owns_inference, executor, actor, ref, algorithm,
                 StatsLogger(config.output_dir, rank, config.total_train_steps, wandb, to_dict(config)),
