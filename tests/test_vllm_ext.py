@@ -69,8 +69,10 @@ class FakeWorker(WeightUpdateExtension):
 
 
 @contextmanager
-def fake_vllm_server(workers, dev_mode: bool = True):
-    """``127.0.0.1:port`` of an HTTP server with vLLM's ``POST /collective_rpc`` over ``workers``."""
+def fake_vllm_server(workers, dev_mode: bool = True, lora_loads: list | None = None):
+    """``127.0.0.1:port`` of an HTTP server with vLLM's ``POST /collective_rpc`` over ``workers``
+    and, with ``lora_loads``, ``POST /v1/load_lora_adapter`` (each body appended to it; vLLM's
+    plain-text reply)."""
     pool = ThreadPoolExecutor(len(workers))
 
     class Handler(BaseHTTPRequestHandler):
@@ -90,6 +92,14 @@ def fake_vllm_server(workers, dev_mode: bool = True):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path == "/v1/load_lora_adapter" and lora_loads is not None:
+                lora_loads.append(body)
+                text = f"Success: LoRA adapter '{body['lora_name']}' added successfully.".encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                return self.wfile.write(text)
             if self.path != "/collective_rpc" or not dev_mode:
                 return self._send(404, {"detail": "Not Found"})
             if body.get("method") is None:
@@ -299,6 +309,69 @@ def test_engine_disk_update_and_version_check_with_vllm(tiny_model_dir, model_b)
             engine.update_weights(WeightUpdateMeta(type="disk", path="/nonexistent", version=6))
     for w in workers:
         _assert_same_weights(w.model_runner.model.hf, sender)
+
+
+def test_a_lora_push_becomes_a_peft_folder_that_vllm_loads_by_name(tiny_model_dir, tmp_path):
+    """A LoRA actor's distributed push to vLLM (TP 2): only A and s·B travel; the workers reload
+    nothing, worker 0 writes a PEFT folder, and the engine has the server load it in place under
+    ``VLLMAdapter.lora_name``. That folder, loaded by PEFT on the base model, computes what the
+    trainer's adapter computes (the scale folded into B, lora_alpha = r); a disk push loads the
+    trainer's own folder. Requests then name the adapter."""
+    from peft import PeftModel
+
+    from arealite.api.config import InferenceEngineConfig, LoRAConfig
+    from arealite.api.io_struct import WeightUpdateMeta
+    from arealite.inference.remote import RemoteInferenceEngine
+    from arealite.train_engine import lora
+
+    torch.manual_seed(0)
+    peft_model, hf = lora.wrap_model(_load(tiny_model_dir), LoRAConfig(rank=4, alpha=16, target_modules=["all-linear"]))
+    for n, p in hf.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    workers = [FakeWorker(r, _load(tiny_model_dir)) for r in (0, 1)]
+    loads = []
+    with fake_vllm_server(workers, lora_loads=loads) as addr:
+        cfg = InferenceEngineConfig(backend="vllm", request_retries=1)
+        engine = RemoteInferenceEngine(cfg, [addr], lora_rank=4)
+        assert engine.serves_lora and not RemoteInferenceEngine(cfg, [addr]).serves_lora
+        with pytest.raises(ValueError, match="without lora_rank"):
+            RemoteInferenceEngine(cfg, [addr]).update_weights(WeightUpdateMeta("disk", "/x", 1, backend="vllm", lora=True))
+        source = (lora.sync_specs(hf, merged=False), lora.sync_tensors(hf, merged=False))
+        stats = broadcast_weights(hf, [addr], version=3, bucket_bytes=4096, backend="gloo", tp_size=2,
+                                  group_name="lora", timeout_s=60, adapter=VLLMAdapter, source=source)
+        assert stats["n_tensors"] == 2 * len(lora.lora_layers(hf))
+        assert all(w.reloads == [] for w in workers)  # the base weights are untouched
+        engine.update_weights(WeightUpdateMeta("distributed", "", 3, [addr], backend="vllm", lora=True))
+        with pytest.raises(ServerError, match="weight_version 3 .* version 4"):
+            engine.update_weights(WeightUpdateMeta("distributed", "", 4, [addr], backend="vllm", lora=True))
+        engine.update_weights(WeightUpdateMeta("disk", str(tmp_path / "trainer_adapter"), 5, [addr], backend="vllm",
+                                               lora=True))
+    folder = workers[0].arealite_lora_path()["lora_path"]
+    assert workers[1].arealite_lora_path()["lora_path"] is None  # only worker 0 writes
+    assert loads == [{"lora_name": "arealite-lora", "lora_path": folder, "load_inplace": True},
+                     {"lora_name": "arealite-lora", "lora_path": str(tmp_path / "trainer_adapter"), "load_inplace": True}]
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3, 88, 41]])
+    served = PeftModel.from_pretrained(_load(tiny_model_dir), folder).eval()
+    with torch.no_grad():
+        want, got, base = peft_model.eval()(ids).logits, served(ids).logits, _load(tiny_model_dir)(ids).logits
+    assert (want - base).abs().max() > 0.1  # the adapter matters
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # requests name the adapter
+    sent = {}
+
+    async def fake_segment(rid, payload):
+        sent.update(payload)
+        return {"choices": [{"logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5]}, "finish_reason": "length"}]}
+
+    import asyncio
+
+    from arealite.api.config import GenerationConfig
+    from arealite.api.io_struct import ModelRequest
+
+    engine._generate_segment = fake_segment
+    asyncio.run(engine.agenerate(ModelRequest(rid="r", input_ids=[1, 2], gconfig=GenerationConfig(max_new_tokens=1))))
+    assert sent["model"] == "arealite-lora" and sent["prompt"] == [1, 2]
 
 
 def test_tied_modules_are_post_processed_again():

@@ -80,11 +80,13 @@ def hf_reference(model, prompt=PROMPT, n=GREEDY_TOKENS) -> tuple[list[float], li
     return lp.tolist(), out.tolist()
 
 
-def server_reference(addr: str, prompt=PROMPT, n=GREEDY_TOKENS) -> tuple[list[float], list[int]]:
-    """The same two things from the vLLM server (``prompt_logprobs`` and temperature 0)."""
+def server_reference(addr: str, prompt=PROMPT, n=GREEDY_TOKENS, model: str | None = None) -> tuple[list[float], list[int]]:
+    """The same two things from the vLLM server (``prompt_logprobs`` and temperature 0);
+    ``model``: a LoRA adapter's name (None: the base model)."""
     r = post_json(addr, "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0.0,
                                             "prompt_logprobs": 0, "logprobs": 0, "ignore_eos": True,
-                                            "return_tokens_as_token_ids": True}, timeout=120)
+                                            "return_tokens_as_token_ids": True, **({"model": model} if model else {})},
+                  timeout=120)
     choice = r["choices"][0]
     lps = []
     for tok, entry in zip(prompt[1:], choice["prompt_logprobs"][1:]):
@@ -92,11 +94,11 @@ def server_reference(addr: str, prompt=PROMPT, n=GREEDY_TOKENS) -> tuple[list[fl
     return lps, [int(t.rsplit(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
 
 
-def assert_server_equals(addr: str, model, what: str) -> float:
-    """The server's prompt logprobs and greedy tokens equal HF's for ``model``; returns the max
-    logprob difference."""
+def assert_server_equals(addr: str, model, what: str, served: str | None = None) -> float:
+    """The server's prompt logprobs and greedy tokens (of the adapter ``served``, or the base
+    model) equal HF's for ``model``; returns the max logprob difference."""
     want_lp, want_greedy = hf_reference(model)
-    got_lp, got_greedy = server_reference(addr)
+    got_lp, got_greedy = server_reference(addr, model=served)
     diff = max(abs(a - b) for a, b in zip(got_lp, want_lp))
     assert len(got_lp) == len(want_lp) and diff <= TOL, f"{what}: prompt logprobs differ by {diff}"
     assert got_greedy == want_greedy, f"{what}: greedy {got_greedy} != HF {want_greedy}"

@@ -78,6 +78,8 @@ class WeightUpdateMeta:
             for the group setup [s] (``rollout.weight_sync_timeout``); a dead one fails at once.
         backend: the servers' protocol, ``rollout.backend`` ("local" | "sglang" | "vllm"): which
             requests carry the update (``arealite.inference.adapters.ADAPTERS``).
+        lora: the push holds only a LoRA actor's adapters (to our server and vLLM, which serve
+            them unmerged), not full weights; set by ``arealite.trainer.weight_update.push_weights``.
     """
 
     type: str
@@ -88,6 +90,7 @@ class WeightUpdateMeta:
     tp_size: int = 1
     timeout_s: float = 600.0
     backend: str = "local"
+    lora: bool = False
 
 
 @dataclass

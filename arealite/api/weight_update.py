@@ -55,6 +55,7 @@ VLLM_METHODS = {
     "destroy_group": "arealite_destroy_group",
     "update_from_disk": "arealite_update_from_disk",
     "weight_version": "arealite_weight_version",
+    "lora_path": "arealite_lora_path",
 }
 
 BACKENDS = ("gloo", "nccl")  # gloo: CPU tensors; nccl: CUDA tensors

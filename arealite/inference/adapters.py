@@ -141,7 +141,10 @@ class VLLMAdapter:
     """
 
     worker_extension = "arealite.server.vllm_ext.WeightUpdateExtension"  # --worker-extension-cls
-    server_env = {"VLLM_SERVER_DEV_MODE": "1"}  # mounts /collective_rpc
+    # /collective_rpc; /v1/load_lora_adapter (a LoRA actor's updates)
+    server_env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    lora_name = "arealite-lora"  # the served LoRA adapter's name: requests name it as their "model"
+    lora_ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
 
     name = "vllm"
     generate_endpoint = "/v1/completions"
@@ -192,6 +195,25 @@ class VLLMAdapter:
 
     pause = ("/pause?mode=abort", {})
     resume = ("/resume", {})
+
+    @staticmethod
+    def max_lora_rank(rank: int) -> int:
+        """The smallest ``--max-lora-rank`` vLLM accepts that holds adapters of ``rank``.
+
+        Raises: ValueError: ``rank`` is above vLLM's largest (512)."""
+        for r in VLLMAdapter.lora_ranks:
+            if r >= rank:
+                return r
+        raise ValueError(f"actor.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLMAdapter.lora_ranks[-1]}")
+
+    @staticmethod
+    def lora_load_request(path: str) -> tuple[str, dict]:
+        """Load (or replace: ``load_inplace``) the adapter :attr:`lora_name` from the PEFT folder
+        ``path`` on the server's machine (vLLM's ``/v1/load_lora_adapter``, mounted with
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; the reply is plain text)."""
+        return "/v1/load_lora_adapter", {"lora_name": VLLMAdapter.lora_name, "lora_path": path, "load_inplace": True}
+
+    lora_path_request = ("POST", VLLM_RPC_ENDPOINT, {"method": VLLM_METHODS["lora_path"], "kwargs": {}})
 
     @staticmethod
     def rpc(method: str, **kwargs) -> tuple[str, dict]:

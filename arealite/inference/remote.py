@@ -79,7 +79,10 @@ def post_json(address: str, endpoint: str, payload: dict | None = None, timeout:
             req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 body = resp.read()
+            try:
                 return json.loads(body) if body else {}
+            except ValueError:  # a plain-text success (vLLM's /v1/load_lora_adapter)
+                return {"text": body.decode(errors="replace")}
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")
             if 400 <= e.code < 500:
@@ -158,9 +161,14 @@ class RemoteInferenceEngine(InferenceEngine):
     Args:
         config: ``rollout`` config (backend, timeouts, retries, weight sync).
         addresses: ``host:port`` of every server (same order on every rank).
+        lora_rank: the actor's ``lora.rank`` (0 = full fine-tuning). With vLLM and a LoRA actor
+            the servers (started with ``--enable-lora``) serve the adapter unmerged under
+            ``VLLMAdapter.lora_name``: every request names it (:attr:`serves_lora`), so the
+            adapter must be loaded before the first request (the RL loop pushes the initial one
+            at version 0), and each update replaces it in place.
     """
 
-    def __init__(self, config: InferenceEngineConfig, addresses: list[str]):
+    def __init__(self, config: InferenceEngineConfig, addresses: list[str], lora_rank: int = 0):
         if not addresses:
             raise ValueError("rollout.addresses is empty: launch servers first or pass host:port addresses")
         if config.backend not in ADAPTERS:
@@ -168,6 +176,7 @@ class RemoteInferenceEngine(InferenceEngine):
         check_section(config, "rollout.")  # validate_config's rollout.* rules (one copy), e.g. weight_sync_timeout > 0
         self.config, self.addresses = config, list(addresses)
         self.adapter = ADAPTERS[config.backend]
+        self.serves_lora = lora_rank > 0 and config.backend == "vllm"
         self._outstanding = {a: 0 for a in self.addresses}
         self._dead_until = {a: 0.0 for a in self.addresses}  # monotonic time; 0 = alive
         self._excluded: set[str] = set()  # missed a control call (e.g. a weight update): never used again
@@ -366,6 +375,8 @@ class RemoteInferenceEngine(InferenceEngine):
             params = gconfig.sampling_params()
             params["max_new_tokens"] = budget - resp.output_len
             payload = self.adapter.build_request(resp.input_tokens + resp.output_tokens, params)
+            if self.serves_lora:
+                payload["model"] = self.adapter.lora_name
             seg_start, sent_version, sent_paused = time.time(), self.get_version(), self._paused_at is not None
             result = await self._generate_segment(req.rid, payload)
             tokens, logprobs, finish, version = self.adapter.parse_response(result)
@@ -503,7 +514,9 @@ class RemoteInferenceEngine(InferenceEngine):
             ValueError: unknown ``meta.type`` (or the backend cannot load weights from disk).
             ServerError: a server failed to load the weights or reports another version.
         """
-        if meta.type == "disk":
+        if meta.lora and self.config.backend == "vllm":
+            self._load_lora(meta)
+        elif meta.type == "disk":
             endpoint, payload = self.adapter.disk_update(meta.path, meta.version)
             for reply in self._all_servers(endpoint, payload):
                 if not self.adapter.control_reply(reply).get("success", False):
@@ -521,3 +534,35 @@ class RemoteInferenceEngine(InferenceEngine):
                     self.readmit(a)
         else:
             raise ValueError(f"weight update type {meta.type!r}: use 'disk' or 'distributed' (rollout.weight_sync)")
+
+    def _load_lora(self, meta: WeightUpdateMeta) -> None:
+        """vLLM, a LoRA actor: every server loads the adapter folder in place under
+        ``VLLMAdapter.lora_name`` — disk: ``meta.path``; distributed: the folder its worker wrote
+        from the push (``arealite_lora_path``), after checking its version.
+
+        Raises:
+            ValueError: this engine was built without ``lora_rank`` (its requests would not name
+                the adapter).
+            ServerError: a server failed to load it (e.g. vLLM without ``--enable-lora``) or
+                reports another version.
+        """
+        if not self.serves_lora:
+            raise ValueError("a LoRA actor's adapters reach vLLM unmerged, but this RemoteInferenceEngine was built "
+                             "without lora_rank: pass lora_rank=actor.lora.rank (make_inference_engine does)")
+        if meta.type == "disk":
+            endpoint, payload = self.adapter.lora_load_request(meta.path)
+            self._all_servers(endpoint, payload)  # 4xx (no --enable-lora, a bad folder) raises
+            self.last_disk_update = (meta.path, meta.version)
+            return
+        for a in meta.addresses or self.live_addresses() or self.addresses:
+            method, endpoint, body = self.adapter.lora_path_request
+            reply = post_json(a, endpoint, body, timeout=30, retries=self.config.request_retries, method=method)
+            v = self.adapter.parse_weight_version(reply)
+            paths = [r.get("lora_path") for r in reply.get("results") or [] if isinstance(r, dict) and r.get("lora_path")]
+            if str(v) != str(meta.version) or not paths:
+                raise ServerError(f"{a} reports weight_version {v!r} and LoRA folder {paths} after a distributed "
+                                  f"LoRA push of version {meta.version}")
+            post_json(a, *self.adapter.lora_load_request(paths[0]), timeout=self.config.request_timeout,
+                      retries=self.config.request_retries)
+            if a in self.restarting:
+                self.readmit(a)

@@ -268,14 +268,21 @@ def without_servers(launcher: LauncherConfig, rollout: InferenceEngineConfig, pl
 # Phase 3: commands, address files, processes
 # ------------------------------------------------------------------------------------------------
 
-def server_argv(rollout: InferenceEngineConfig, model_path: str, host: str, port: int, seed: int) -> tuple[list[str], dict]:
+def server_argv(rollout: InferenceEngineConfig, model_path: str, host: str, port: int, seed: int,
+                lora_rank: int = 0) -> tuple[list[str], dict]:
     """The command and extra environment of one server listening on ``host:port``
-    (:func:`arealite.launcher.local.server_command`, bound to this node's address)."""
+    (:func:`arealite.launcher.local.server_command`, bound to this node's address; ``lora_rank``:
+    the actor's ``lora.rank``)."""
     from arealite.launcher.local import server_command, server_env
 
-    cmd = server_command(rollout, model_path, port, seed, host=host)
+    cmd = server_command(rollout, model_path, port, seed, host=host, lora_rank=lora_rank)
     env = {"OMP_NUM_THREADS": str(rollout.server_threads), **server_env(rollout.backend)}
     return cmd, env
+
+
+def actor_lora_rank(config: dict) -> int:
+    """The actor's ``lora.rank`` in a recipe's config dict (0 without an actor or LoRA)."""
+    return int(((config.get("actor") or {}).get("lora") or {}).get("rank") or 0)
 
 
 def trainer_argv(recipe: str, args: list[str], addresses: list[str], config: dict, cpus: int) -> list[str]:

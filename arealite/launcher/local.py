@@ -101,11 +101,14 @@ def check_backend_installed(backend: str) -> None:
 
 
 def server_command(config: InferenceEngineConfig, model_path: str, port: int, seed: int,
-                   host: str = "127.0.0.1") -> list[str]:
+                   host: str = "127.0.0.1", lora_rank: int = 0) -> list[str]:
     """The argv of one server for ``config.backend`` on ``host:port`` (a cluster launcher passes
     the node's address; vLLM's dev endpoints are then reachable from the cluster network).
     ``rollout.dtype`` goes to our server and to vLLM-CPU (``auto`` resolved here); SGLang and vLLM
     on GPUs keep their own ``--dtype`` default (the model's), set through ``rollout.server_args``.
+    ``lora_rank`` > 0 (the actor trains LoRA adapters of that rank): vLLM serves them unmerged
+    (``--enable-lora --max-lora-rank R' --max-loras 1``, R' the smallest rank vLLM accepts that
+    is >= R), as our server does; docs/engine.md, "LoRA".
 
     Raises:
         ValueError: unknown backend.
@@ -130,6 +133,8 @@ def server_command(config: InferenceEngineConfig, model_path: str, port: int, se
                "--tensor-parallel-size", str(config.tp_size), "--seed", str(seed),
                "--logprobs-mode", "processed_logprobs", "--max-num-seqs", str(config.server_max_batch_size),
                "--worker-extension-cls", VLLMAdapter.worker_extension]
+        if lora_rank > 0:
+            cmd += ["--enable-lora", "--max-lora-rank", str(VLLMAdapter.max_lora_rank(lora_rank)), "--max-loras", "1"]
         if not _visible_gpus():  # vLLM-CPU: rollout.dtype (auto: bf16 where fast); CUDA graphs do not apply
             from arealite.utils.perf import resolve_dtype
 
@@ -142,7 +147,9 @@ def server_env(backend: str, environ: dict | None = None, cpu: bool | None = Non
     """Extra environment of a server process for ``backend``.
 
     vllm: ``VLLM_SERVER_DEV_MODE=1`` (mounts ``/collective_rpc``, which weight updates use; it
-    also mounts other dev endpoints, so the server binds 127.0.0.1) and the folder holding the
+    also mounts other dev endpoints, so the server binds 127.0.0.1),
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (mounts ``/v1/load_lora_adapter``, which a LoRA
+    actor's updates use) and the folder holding the
     ``arealite`` package prepended to ``PYTHONPATH`` (vLLM's workers import the extension). On
     CPU (``cpu``; default: no GPU visible) also ``VLLM_HOST_IP=127.0.0.1`` (the worker's own
     rendezvous stays on loopback) and ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB of KV cache; vLLM-CPU
@@ -293,8 +300,12 @@ def catch_up(engine: RemoteInferenceEngine, addr: str, config: InferenceEngineCo
     with engine.sync_lock:
         if engine.last_disk_update is not None and engine.get_version() > 0:
             path, version = engine.last_disk_update
-            reply = post_control(engine.adapter, addr, engine.adapter.disk_update(path, version),
-                                 config.request_timeout, config.request_retries)
+            if engine.serves_lora:  # vLLM serving a LoRA actor: the adapter folder, loaded by name
+                reply = post_json(addr, *engine.adapter.lora_load_request(path), timeout=config.request_timeout,
+                                  retries=config.request_retries)
+            else:
+                reply = post_control(engine.adapter, addr, engine.adapter.disk_update(path, version),
+                                     config.request_timeout, config.request_retries)
             logger.warning("restarted server %s loaded %s (version %d): %s", addr, path, version, reply)
         elif engine.get_version() > 0:  # distributed: the next push brings it up to date
             logger.warning("restarted server %s joins the next weight update", addr)
@@ -436,13 +447,14 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None
 
 
 def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1,
-                   trainer_gpus: int = 0) -> list[str]:
+                   trainer_gpus: int = 0, lora_rank: int = 0) -> list[str]:
     """Start ``config.n_servers`` servers on this machine and wait until they are healthy.
 
     Server logs go to ``log_dir/server{i}.log``. Returns their ``127.0.0.1:port`` addresses.
 
     Args:
         trainer_gpus: GPUs taken by the trainer ranks (sglang/vllm servers get the next ones).
+        lora_rank: the actor's ``lora.rank`` (0 = full fine-tuning); see :func:`server_command`.
 
     Raises:
         ValueError: the backend's package is missing or there are too few GPUs (before
@@ -459,7 +471,7 @@ def launch_servers(config: InferenceEngineConfig, model_path: str, log_dir: str,
     procs, addresses = [], []
     for i in range(config.n_servers):
         port = free_port()
-        cmd = server_command(config, model_path, port, seed + i)
+        cmd = server_command(config, model_path, port, seed + i, lora_rank=lora_rank)
         env = dict(os.environ, OMP_NUM_THREADS=str(config.server_threads), **server_env(config.backend))
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i]
@@ -523,8 +535,11 @@ def launch_reward_server(model_path: str, log_dir: str, threads: int = 1, max_ba
     return address
 
 
-def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1) -> RemoteInferenceEngine:
+def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_dir: str, seed: int = 1,
+                          lora_rank: int = 0) -> RemoteInferenceEngine:
     """The rollout engine of this rank: servers from ``config.addresses`` or launched by rank 0.
+    ``lora_rank``: the actor's ``lora.rank`` (vLLM servers are launched to serve its adapters,
+    and the engine names them in requests; 0 = full fine-tuning).
 
     Collective over all trainer ranks when servers are launched (addresses are broadcast).
     """
@@ -533,10 +548,10 @@ def make_inference_engine(config: InferenceEngineConfig, model_path: str, log_di
         import torch
 
         trainer_gpus = dist.get_world_size() if torch.cuda.is_available() else 0
-        obj = [launch_servers(config, model_path, log_dir, seed, trainer_gpus) if dist.get_rank() == 0 else None]
+        obj = [launch_servers(config, model_path, log_dir, seed, trainer_gpus, lora_rank) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(obj, src=0)
         addresses = obj[0]
-    engine = RemoteInferenceEngine(config, addresses)
+    engine = RemoteInferenceEngine(config, addresses, lora_rank=lora_rank)
     engine.initialize()
     if config.max_server_restarts > 0:
         if dist.get_rank() != 0:

@@ -51,7 +51,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from arealite.api.from_yaml import from_dict
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
 from arealite.utils.proc import die_with_parent, free_port
-from arealite.launcher.cluster import (Node, Placement, address_file, describe, exit_reason,
+from arealite.launcher.cluster import (Node, Placement, actor_lora_rank, address_file, describe, exit_reason,
                                        plan_placement, preparse, previous_port, read_recipe_config,
                                        recipe_servers, run_main, server_argv, stream, this_machine, trainer_argv,
                                        trainer_env, wait_addresses, without_servers, write_address)
@@ -79,14 +79,15 @@ class ServerActor:
         cwd: working directory of the process.
     """
 
-    def __init__(self, index: int, rollout: dict, model_path: str, seed: int, output_dir: str, cwd: str):
+    def __init__(self, index: int, rollout: dict, model_path: str, seed: int, output_dir: str, cwd: str,
+                 lora_rank: int = 0):
         import threading
 
         config = from_dict(InferenceEngineConfig, rollout, "rollout")
         host = ray.util.get_node_ip_address()
         path = address_file(output_dir, index)
         port = previous_port(path, host) or free_port(host)  # a restarted actor keeps its address
-        cmd, extra = server_argv(config, model_path, host, port, seed)
+        cmd, extra = server_argv(config, model_path, host, port, seed, lora_rank)
         env = {k: v for k, v in os.environ.items() if k not in _NOT_FOR_SERVERS}
         os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
         self.log = open(os.path.join(output_dir, "logs", f"server{index}.log"), "a")
@@ -188,7 +189,8 @@ def _run_once(args, config: dict, placement: Placement, pg, attempt: int) -> tup
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n_trainer_bundles + i)
             servers.append(ray.remote(ServerActor).options(
                 num_cpus=rollout.server_threads, num_gpus=launcher.server_gpus, max_restarts=rollout.max_server_restarts,
-                scheduling_strategy=strategy, runtime_env={"env_vars": forwarded_env()}).remote(i, config["rollout"], config["model_path"], config["seed"] + i, out, cwd))
+                scheduling_strategy=strategy, runtime_env={"env_vars": forwarded_env()}).remote(i, config["rollout"], config["model_path"], config["seed"] + i, out, cwd,
+                                                                   actor_lora_rank(config)))
         files = [address_file(out, i) for i in range(n_servers)]
         infos = ray.get([s.info.remote() for s in servers], timeout=rollout.setup_timeout)
         addresses = wait_addresses(files, rollout.setup_timeout)

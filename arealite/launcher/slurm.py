@@ -42,7 +42,8 @@ from arealite.api.cli import ConfigError
 from arealite.api.from_yaml import from_dict
 from arealite.api.config import InferenceEngineConfig, LauncherConfig
 from arealite.utils.proc import free_port
-from arealite.launcher.cluster import (Node, Placement, address_file, describe, node_address, plan_placement, preparse,
+from arealite.launcher.cluster import (Node, Placement, actor_lora_rank, address_file, describe, node_address,
+                                       plan_placement, preparse,
                                        previous_port, read_recipe_config, recipe_servers, run_main,
                                        server_argv, trainer_argv, wait_addresses, without_servers, write_address)
 
@@ -203,7 +204,8 @@ def serve(plan_path: str, index: int) -> None:
     host = node_address()
     path = address_file(out, index)
     port = previous_port(path, host) or free_port(host)
-    cmd, extra = server_argv(rollout, plan["config"]["model_path"], host, port, plan["config"]["seed"] + index)
+    cmd, extra = server_argv(rollout, plan["config"]["model_path"], host, port, plan["config"]["seed"] + index,
+                             actor_lora_rank(plan["config"]))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     print(f"[arealite] server {index} starting on {host}:{port}: {' '.join(cmd)}", flush=True)
     write_address(path, f"{host}:{port}")

@@ -54,6 +54,16 @@ int | None}`` and catches its own errors, so a failing worker is reported by ran
 * ``arealite_weight_version``: the version of the last applied update (vLLM's replies carry
   none; the trainer tags tokens with the version it set after pause -> update -> resume).
 * ``arealite_destroy_group``.
+* ``arealite_lora_path``: the folder of the last distributed LoRA push (below).
+
+LoRA (a LoRA actor, vLLM started with ``--enable-lora``): vLLM serves the adapter unmerged,
+loaded with its own ``POST /v1/load_lora_adapter`` from a PEFT folder (``load_inplace``; the
+requests name it). A disk update writes that folder on the trainer side. A distributed push
+sends only ``{module}.lora_A.weight`` (A) and ``{module}.lora_B.weight`` (s·B, the scale folded
+in); when every staged name is one of those, :meth:`arealite_update_from_distributed` does not
+reload anything: worker rank 0 writes them as a PEFT folder (:func:`write_peft_adapter`; its path
+is the reply's ``lora_path``) and the trainer then loads that folder through
+``/v1/load_lora_adapter``.
 
 Runs inside vLLM's worker process, with vLLM's Python environment: it imports torch and, lazily,
 only the small torch.distributed helpers of arealite (no trainer dependencies).
@@ -71,6 +81,43 @@ import torch
 logger = logging.getLogger("arealite.vllm_ext")
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def write_peft_adapter(folder: str, weights: list[tuple[str, torch.Tensor]]) -> str:
+    """Write a PEFT LoRA folder (``adapter_config.json``, ``adapter_model.safetensors``) that
+    vLLM's ``/v1/load_lora_adapter`` loads, from the tensors of a LoRA push: per adapted module
+    ``{module}.lora_A.weight`` A [r, in] and ``{module}.lora_B.weight`` s·B [out, r] (HF module
+    names, the scale s already folded into B, so ``lora_alpha = r``). Returns ``folder``.
+
+    Raises:
+        ValueError: a name without a LoRA suffix, or adapters of different ranks.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    state, modules, ranks = {}, set(), set()
+    for name, t in weights:
+        if not name.endswith(LORA_SUFFIXES):
+            raise ValueError(f"{name!r} is not a LoRA tensor (*{LORA_SUFFIXES[0]} / *{LORA_SUFFIXES[1]})")
+        module = name[:-len(LORA_SUFFIXES[0])].removeprefix("base_model.model.")
+        modules.add(module.rsplit(".", 1)[-1])
+        if name.endswith(LORA_SUFFIXES[0]):
+            ranks.add(int(t.shape[0]))
+        state["base_model.model." + module + name[-len(LORA_SUFFIXES[0]):]] = t.detach().contiguous()
+    if len(ranks) != 1:
+        raise ValueError(f"LoRA tensors of ranks {sorted(ranks)}: one adapter has one rank")
+    r = ranks.pop()
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, "adapter_model.safetensors.tmp")
+    save_file(state, tmp)
+    os.replace(tmp, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": r,
+                   "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none",
+                   "use_rslora": False, "use_dora": False, "modules_to_save": None}, f)
+    return folder
 
 
 def _group_helpers():
@@ -278,7 +325,28 @@ class WeightUpdateExtension:
             return self._arealite_reply(True, f"staged {len(names)} tensors ({len(self._arealite_staged)} so far; "
                                               "applied with the bucket that carries weight_version)")
         weights, self._arealite_staged = self._arealite_staged, []
+        if weights and all(n.endswith(LORA_SUFFIXES) for n, _ in weights):
+            return self._arealite_save_lora(weights, weight_version)
         return self._arealite_apply(weights, f"{len(weights)} tensors", weight_version)
+
+    def _arealite_save_lora(self, weights: list[tuple[str, torch.Tensor]], weight_version: int) -> dict:
+        """A LoRA push: worker rank 0 writes the PEFT folder (the trainer loads it through
+        ``/v1/load_lora_adapter``, which also reaches the other TP workers); every worker takes
+        the version. The reply's ``lora_path`` is the folder (None on the other workers)."""
+        import tempfile
+
+        path = None
+        try:
+            if int(getattr(self, "rank", 0)) == 0:
+                path = write_peft_adapter(os.path.join(tempfile.gettempdir(), f"arealite-vllm-lora-{os.getpid()}"),
+                                          weights)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("writing the LoRA adapter failed")
+            return self._arealite_reply(False, f"writing the LoRA adapter failed ({e!r}); the previous adapter is served")
+        self._arealite_version = int(weight_version)
+        self._arealite_lora_path = path
+        reply = self._arealite_reply(True, f"wrote {len(weights)} LoRA tensors" + (f" to {path}" if path else ""))
+        return {**reply, "lora_path": path}
 
     def arealite_update_from_disk(self, model_path: str, weight_version: int | None = None, **_ignored) -> dict:
         """Reload every tensor of the HF folder ``model_path`` (``*.safetensors``, read in full
@@ -299,6 +367,11 @@ class WeightUpdateExtension:
         if self._arealite_groups().pop(group_name, None) is None:
             return self._arealite_reply(False, f"no weight-update group {group_name!r}")
         return self._arealite_reply(True, f"left {group_name!r}")
+
+    def arealite_lora_path(self) -> dict:
+        """The folder of the last distributed LoRA push (``lora_path``; worker rank 0 writes it,
+        None elsewhere and before one)."""
+        return {**self._arealite_reply(True, "LoRA adapter folder"), "lora_path": getattr(self, "_arealite_lora_path", None)}
 
     def arealite_weight_version(self) -> dict:
         """The version of the last applied update (None before the first one)."""

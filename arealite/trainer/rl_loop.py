@@ -281,6 +281,8 @@ def resume(run: RLRun) -> int:
     the data position and the executor's prompts pulled but not trained on (they run again
     first); the servers get the restored weights. Returns the step to start from (0 = fresh)."""
     if not run.recover_path:
+        if getattr(run.inference, "serves_lora", False):  # vLLM names the adapter in every request:
+            sync_weights(run.actor, run.inference, run.executor, run.weight_dir, 0)  # load the initial one
         return 0
     step = load_checkpoint(run.recover_path, run.engines, run.stateful)
     sync_weights(run.actor, run.inference, run.executor, run.weight_dir, step)  # the servers started from model_path
@@ -464,7 +466,7 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
     owns_inference = inference_engine is None
     if owns_inference:
         inference_engine = make_inference_engine(config.rollout, model_path, os.path.join(config.output_dir, "logs"),
-                                                  config.seed)
+                                                  config.seed, lora_rank=config.actor.lora.rank)
     else:
         inference_engine.initialize()
     executor = WorkflowExecutor(config.rollout, inference_engine, world)

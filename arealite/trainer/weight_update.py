@@ -12,7 +12,8 @@ Order (``rollout.weight_sync``: disk | distributed):
    resubmits them; the paused servers hold them) — ``pause_generation``;
 3. every rank: push — disk: ``actor.save(meta.path)``; distributed: broadcast the full tensors
    bucket by bucket to the servers of ``meta.addresses`` (a LoRA actor: only the adapters to
-   our server, the merged weights to vLLM/SGLang; :mod:`arealite.train_engine.lora`);
+   our server and vLLM, which serve them unmerged, the merged weights to SGLang;
+   :mod:`arealite.train_engine.lora`);
 4. rank 0: the servers load (disk) or confirm (distributed) ``meta.version``;
 5. every rank, after a barrier: the inference engine records the new version (the one owner of
    the version on the trainer side; the executor's staleness rule reads it) — before the servers
@@ -43,10 +44,12 @@ def push_weights(actor: TrainEngine, meta: WeightUpdateMeta) -> None:
         ValueError: unknown ``meta.type``.
         WeightSyncError: the distributed push failed (on every rank).
     """
-    # A LoRA actor sends only its adapters to our server (which merges them into its base
-    # weights) and the merged full weights to vLLM/SGLang (docs/engine.md, "LoRA").
+    # A LoRA actor sends only its adapters to our server and vLLM (which serve them unmerged:
+    # merged into bf16 weights most of an update rounds away) and the merged full weights to
+    # SGLang (docs/engine.md, "LoRA"). meta.lora tells the servers' loader (update_weights).
     lora_actor = getattr(actor, "peft", None) is not None
-    merged = meta.backend != "local"
+    merged = meta.backend not in ("local", "vllm")
+    meta.lora = lora_actor and not merged
     if meta.type == "disk":
         if lora_actor:
             (lora.save_merged if merged else lora.save_adapter)(actor, meta.path)
