@@ -279,7 +279,9 @@ def train(run: RLRun) -> dict[str, float]:
 def resume(run: RLRun) -> int:
     """Load the recover checkpoint, if any: actor (+ critic) weights, optimizer, LR schedule, RNG,
     the data position and the executor's prompts pulled but not trained on (they run again
-    first); the servers get the restored weights. Returns the step to start from (0 = fresh)."""
+    first); the servers get the restored weights. A fresh run whose vLLM servers serve a LoRA
+    adapter by name pushes the initial adapter as version 0. Returns the step to start from
+    (0 = fresh)."""
     if not run.recover_path:
         if getattr(run.inference, "serves_lora", False):  # vLLM names the adapter in every request:
             sync_weights(run.actor, run.inference, run.executor, run.weight_dir, 0)  # load the initial one
