@@ -192,8 +192,8 @@ def test_bad_lora_config_names_the_field(model_dir):
         check_target_modules(model_dir, LoRAConfig(rank=8, target_modules=["q_proj", "qkv_proj"]))
 
 
-def test_merged_push_for_vllm_has_the_hf_names_and_the_trainers_logprobs(model_dir, tmp_path):
-    """What a LoRA actor sends vLLM/SGLang (merged=True): every HF parameter name of the base
+def test_merged_push_for_sglang_has_the_hf_names_and_the_trainers_logprobs(model_dir, tmp_path):
+    """What a LoRA actor sends SGLang (merged=True; also the merged final checkpoint): every HF parameter name of the base
     model once, and a plain HF model loaded with it computes the trainer's logprobs."""
     from transformers import AutoModelForCausalLM
 

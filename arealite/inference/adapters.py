@@ -216,6 +216,11 @@ class VLLMAdapter:
     lora_path_request = ("POST", VLLM_RPC_ENDPOINT, {"method": VLLM_METHODS["lora_path"], "kwargs": {}})
 
     @staticmethod
+    def set_version_request(version: int) -> tuple[str, dict]:
+        """Every worker reports ``version`` from now on (after a LoRA load it did not see)."""
+        return VLLMAdapter.rpc(VLLM_METHODS["set_weight_version"], weight_version=int(version))
+
+    @staticmethod
     def rpc(method: str, **kwargs) -> tuple[str, dict]:
         """``("/collective_rpc", {"method": method, "kwargs": kwargs})``; kwargs must be JSON."""
         return VLLM_RPC_ENDPOINT, {"method": method, "kwargs": kwargs}

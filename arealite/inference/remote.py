@@ -508,7 +508,8 @@ class RemoteInferenceEngine(InferenceEngine):
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """"disk": every server loads the HF folder ``meta.path`` and reports ``meta.version``.
         "distributed": the trainer's ``push_weights`` already broadcast the tensors; check that
-        every server of ``meta.addresses`` reports ``meta.version``.
+        every server of ``meta.addresses`` reports ``meta.version``. vLLM with a LoRA actor
+        (``meta.lora``): the adapter folder is loaded under its name (:meth:`_load_lora`).
 
         Raises:
             ValueError: unknown ``meta.type`` (or the backend cannot load weights from disk).
@@ -552,6 +553,9 @@ class RemoteInferenceEngine(InferenceEngine):
         if meta.type == "disk":
             endpoint, payload = self.adapter.lora_load_request(meta.path)
             self._all_servers(endpoint, payload)  # 4xx (no --enable-lora, a bad folder) raises
+            for reply in self._all_servers(*self.adapter.set_version_request(meta.version)):
+                if not self.adapter.control_reply(reply).get("success", False):
+                    raise ServerError(f"setting weight version {meta.version} failed: {reply}")
             self.last_disk_update = (meta.path, meta.version)
             return
         for a in meta.addresses or self.live_addresses() or self.addresses:

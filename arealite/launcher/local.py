@@ -290,7 +290,9 @@ def catch_up(engine: RemoteInferenceEngine, addr: str, config: InferenceEngineCo
     """Bring restarted server ``addr`` (healthy again, holding the model it started from) to the
     trainer's weights and readmit it. Under ``engine.sync_lock``, so never while a weight sync
     rewrites the folder. Disk sync: it loads the folder of the last update at its version;
-    distributed: it joins the next push (readmitted then). At version 0 it is readmitted at once.
+    distributed: it joins the next push (readmitted then). At version 0 it is readmitted at once,
+    unless it serves a LoRA adapter by name (vLLM): that exists on it only after a load, so the
+    version-0 push counts as an update here.
 
     Returns: True if readmitted now, False if it waits for the next push.
 
@@ -298,16 +300,19 @@ def catch_up(engine: RemoteInferenceEngine, addr: str, config: InferenceEngineCo
         ServerError: the server failed to load the weights.
     """
     with engine.sync_lock:
-        if engine.last_disk_update is not None and engine.get_version() > 0:
+        updated = engine.get_version() > 0 or engine.serves_lora
+        if engine.last_disk_update is not None and updated:
             path, version = engine.last_disk_update
             if engine.serves_lora:  # vLLM serving a LoRA actor: the adapter folder, loaded by name
-                reply = post_json(addr, *engine.adapter.lora_load_request(path), timeout=config.request_timeout,
-                                  retries=config.request_retries)
+                post_json(addr, *engine.adapter.lora_load_request(path), timeout=config.request_timeout,
+                          retries=config.request_retries)
+                reply = post_control(engine.adapter, addr, engine.adapter.set_version_request(version),
+                                     config.request_timeout, config.request_retries)
             else:
                 reply = post_control(engine.adapter, addr, engine.adapter.disk_update(path, version),
                                      config.request_timeout, config.request_retries)
             logger.warning("restarted server %s loaded %s (version %d): %s", addr, path, version, reply)
-        elif engine.get_version() > 0:  # distributed: the next push brings it up to date
+        elif updated:  # distributed: the next push brings it up to date
             logger.warning("restarted server %s joins the next weight update", addr)
             return False
         engine.readmit(addr)
@@ -400,7 +405,8 @@ class ServerFollower(ServerWatcher):
     ``RemoteInferenceEngine._generate_segment``); it is readmitted when it answers again *and*
     reports a weight version ≥ this rank's (:meth:`RemoteInferenceEngine.get_version`), i.e.
     once rank 0 has brought it to the current weights — a restarted server reports version 0,
-    which is current only before the first update. A server that does not reach that state
+    which is current only before the first update (never for vLLM serving a LoRA adapter, which
+    it holds only after a load). A server that does not reach that state
     within ``rollout.setup_timeout`` is excluded on this rank.
     """
 
@@ -411,7 +417,9 @@ class ServerFollower(ServerWatcher):
                                                                    method=method))
         except ServerError:
             return None  # not up yet, or busy loading
-        return 0 if v is None else int(v)
+        if v is None:  # no update since it started: current at version 0, unless a LoRA adapter must be loaded
+            return -1 if self.engine.serves_lora else 0
+        return int(v)
 
     def run(self) -> None:
         engine = self.engine

@@ -59,7 +59,7 @@ def partition_nodes(partition: str = "") -> list[Node]:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
-        raise ValueError("launcher.type=slurm: `sinfo` not found; run this on a Slurm login node "
+        raise ValueError("arealite.launcher.slurm: `sinfo` not found; run this on a Slurm login node "
                          "(or start a local cluster with scripts/slurm_local.sh)") from None
     if proc.returncode != 0:
         raise ValueError(f"sinfo failed: {proc.stderr.strip()}"

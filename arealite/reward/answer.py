@@ -69,13 +69,14 @@ _TEXT_MARKER_RE = re.compile(
     r"|^[\s*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
 # A hedge joins two expressions into one compound answer ("6 or 7", "6 and 7", "1, 2, 7").
 _CONNECTORS = {"or", "and", "either", "between"}
-# A hedge in symbols or words ("1.5 \\lor 2", "1.5 \\vee 2", "1.5 | 2", "1.5 \\mid 2", "6 or 7"): an
-# answer holding one equals only an answer holding one (|x| against |x|), never a single value.
-_DISJUNCTION_RE = re.compile(r"\\(?:lor|vee|mid|vert|lvert|rvert)(?![A-Za-z])|\||\bor\b")
+# A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
+# holding one equals only another holding one, or a single answer equal to all its alternatives.
 _OR_RE = re.compile(r"\\(?:lor|vee)(?![A-Za-z])|\bor\b")
-# A \text{} holding a connector word and a value ("1.5 \text{ (or 2)}"): its words are the answer's.
-_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*\b(?:or|either)\b[^{}]*\d[^{}]*"
-                            r"|[^{}]*\d[^{}]*\b(?:or|either)\b[^{}]*)\}", re.I)
+# "1.5 | 2", "1.5 \\mid 2": against a plain-number gold no answer (| also writes |x| and set-builder
+# notation, so against any other gold math-verify judges).
+_BAR_RE = re.compile(r"\||\\(?:mid|vert|lvert|rvert)(?![A-Za-z])")
+# A \text{} that is only a connector and values ("1.5 \text{ (or 2)}"): its words are the answer's.
+_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*\(?\s*(?:or|either)\b[^A-Za-z{}]*\)?\s*)\}")
 # A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, spaces.
 _TOKEN_RE = re.compile(r"""
     (?P<text>\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{[^{}]*\})
@@ -156,6 +157,9 @@ def _clean_run(run: str) -> str:
     """Trim a math run to its expression: outer spaces, dangling operators/commas/brackets; the
     right-hand side of the last top-level ``=`` / ``\\approx``; a unit's power after a number."""
     s = run.strip()
+    parts = re.split(r"\\(?:lor|vee)(?![A-Za-z])", s)
+    if len(parts) > 1:  # "x = -1 \\lor x = 2": each alternative trimmed (its right-hand side), the hedge kept
+        return " \\lor ".join(_clean_run(p) for p in parts)
     s = re.sub(r"\\(?:approx|simeq|equiv)\b", "=", s)
     depth, last_eq = 0, -1
     for i, c in enumerate(s):
@@ -473,8 +477,9 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         ``verify`` holds on the whole expressions and no relative-precision check vetoes it. A
         calculation (``23 + 50``) never equals a plain-number gold; a compound hedge never equals
         anything but the same text, and an answer with a disjunction (``or``, ``\\lor``,
-        ``\\vee``, ``|``, ``\\mid``) never equals one without, unless every alternative of
-        an ``or`` / ``\\lor`` / ``\\vee`` equals it (``"x+11 or 11+x"`` against ``"11+x"``); answers with different numbers of
+        ``\\vee``) never equals one without, unless every alternative equals it (``"x+11 or
+        11+x"`` against ``"11+x"``); against a plain number, an answer with ``|`` or ``\\mid``
+        never counts (``1.5 | 2``, ``|-3|``); answers with different numbers of
         commas (a list against a scalar, a pair against a triple) are never equal. Never raises (a failing comparison is False).
     """
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
@@ -483,21 +488,20 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return True
     if pred.count(",") != gold.count(","):
         return False  # a list / tuple / interval never equals a scalar, nor one of another length
-    if bool(_DISJUNCTION_RE.search(pred)) != bool(_DISJUNCTION_RE.search(gold)):
-        # "1.5 \\lor 2", "1.5 | 2", "6 or 7": a hedge never equals a single answer, unless its
-        # alternatives are all that answer ("x+11 or 11+x"; not split at | and \\mid, which
-        # also write |x| and set-builder notation)
-        hedge, single = (pred, gold) if _DISJUNCTION_RE.search(pred) else (gold, pred)
+    if bool(_OR_RE.search(pred)) != bool(_OR_RE.search(gold)):
+        # a hedge never equals a single answer, unless its alternatives all are that answer
+        # ("x+11 or 11+x" against "11+x")
+        hedge, single = (pred, gold) if _OR_RE.search(pred) else (gold, pred)
         members = [m.strip() for m in _OR_RE.split(hedge)]
-        return len(members) > 1 and all(m and not _DISJUNCTION_RE.search(m) and answers_equivalent(m, single)
-                                        for m in members)
+        return len(members) > 1 and all(m and answers_equivalent(m, single) for m in members)
     try:
         g, p = _number_candidates(gold), _number_candidates(pred)
         if g is not None:
             if p is not None:
                 return any(_numbers_equal(a, at, b, bt) for a, at in p for b, bt in g)
-            if _CALCULATION_RE.search(pred) or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred)):
-                return False  # "23 + 50" / "6 or 7" against a number: not an answer
+            if (_CALCULATION_RE.search(pred) or _BAR_RE.search(pred)
+                    or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred))):
+                return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
         elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
             return False
         gt, pt = _number_tuple(gold), _number_tuple(pred)

@@ -55,6 +55,7 @@ int | None}`` and catches its own errors, so a failing worker is reported by ran
   none; the trainer tags tokens with the version it set after pause -> update -> resume).
 * ``arealite_destroy_group``.
 * ``arealite_lora_path``: the folder of the last distributed LoRA push (below).
+* ``arealite_set_weight_version``: the version after a LoRA disk push (loaded by vLLM itself).
 
 LoRA (a LoRA actor, vLLM started with ``--enable-lora``): vLLM serves the adapter unmerged,
 loaded with its own ``POST /v1/load_lora_adapter`` from a PEFT folder (``load_inplace``; the
@@ -367,6 +368,12 @@ class WeightUpdateExtension:
         if self._arealite_groups().pop(group_name, None) is None:
             return self._arealite_reply(False, f"no weight-update group {group_name!r}")
         return self._arealite_reply(True, f"left {group_name!r}")
+
+    def arealite_set_weight_version(self, weight_version: int) -> dict:
+        """Report ``weight_version`` from now on: the trainer calls it after vLLM's own
+        ``/v1/load_lora_adapter`` loaded a LoRA disk push, which this extension does not see."""
+        self._arealite_version = int(weight_version)
+        return self._arealite_reply(True, f"weight version {self._arealite_version}")
 
     def arealite_lora_path(self) -> dict:
         """The folder of the last distributed LoRA push (``lora_path``; worker rank 0 writes it,

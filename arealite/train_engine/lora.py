@@ -14,8 +14,9 @@
   (``PeftModel.disable_adapter``) — the base weights, no second copy.
 * Weight sync (:func:`sync_specs` / :func:`sync_tensors`): to our server only the adapters, as
   ``{module}.lora_A.weight`` (A) and ``{module}.lora_B.weight`` (s · B, the scale folded in);
-  the server merges them into its kept copy of ``W0`` (:mod:`arealite.server.weights`).
-  To vLLM/SGLang the merged full weights under the HF names.
+  our server serves them unmerged in bf16 and merges them into its kept copy of ``W0`` in fp32
+  (:mod:`arealite.server.weights`); vLLM serves them through its own LoRA path
+  (:mod:`arealite.server.vllm_ext`). To SGLang the merged full weights under the HF names.
 * Saving (:func:`save`): ``path/adapter/`` is a PEFT adapter folder
   (``PeftModel.from_pretrained(base, path/adapter)``), and with ``lora.merged_final`` ``path/``
   also holds the merged full model (``AutoModelForCausalLM.from_pretrained(path)``).
@@ -151,9 +152,9 @@ def sync_specs(model: torch.nn.Module, merged: bool) -> list[tuple[str, tuple, t
 def sync_tensors(model: torch.nn.Module, merged: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors a weight update sends (collective: all-gathers on every rank).
 
-    ``merged=False`` (our server): per adapted module ``{module}.lora_A.weight`` = A [r, in] and
-    ``{module}.lora_B.weight`` = s · B [out, r] (the scale folded in, so the server needs no
-    config). ``merged=True`` (vLLM, SGLang): every parameter under its HF name, with
+    ``merged=False`` (our server, vLLM): per adapted module ``{module}.lora_A.weight`` = A [r, in]
+    and ``{module}.lora_B.weight`` = s · B [out, r] (the scale folded in, so the server needs no
+    config). ``merged=True`` (SGLang): every parameter under its HF name, with
     ``{module}.weight`` = W0 + s · B A (computed in float32, cast back to W0's dtype).
     """
     return _iter_sync(model, merged, meta=False)

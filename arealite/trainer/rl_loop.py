@@ -52,6 +52,7 @@ from arealite.dataset.loader import EpochLoader, load_rows, make_dataloader
 from arealite.dataset.math_data import load_dataset
 from arealite.evaluate import BackgroundEvaluator, aevaluate_samples
 from arealite.launcher.local import make_inference_engine, trainer_threads
+from arealite.inference.remote import RemoteInferenceEngine
 from arealite.report import write_report
 from arealite.rollout.executor import WorkflowExecutor
 from arealite.train_engine.fsdp import FSDPEngine, init_distributed
@@ -470,6 +471,10 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
         inference_engine = make_inference_engine(config.rollout, model_path, os.path.join(config.output_dir, "logs"),
                                                   config.seed, lora_rank=config.actor.lora.rank)
     else:
+        if (config.actor.lora.rank > 0 and config.rollout.backend == "vllm"
+                and isinstance(inference_engine, RemoteInferenceEngine) and not inference_engine.serves_lora):
+            raise ValueError("actor.lora.rank > 0 with rollout.backend=vllm: vLLM serves the adapter by name, so "
+                             "build the RemoteInferenceEngine with lora_rank=config.actor.lora.rank")
         inference_engine.initialize()
     executor = WorkflowExecutor(config.rollout, inference_engine, world)
     executor.initialize()
