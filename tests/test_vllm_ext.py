@@ -426,3 +426,17 @@ def test_tied_modules_are_post_processed_again():
     assert reprocess_shared_modules(model) == ["embed", "head"]
     assert len(model.head.quant_method.seen) == 1 and torch.equal(model.head.quant_method.seen[0], torch.full((5, 3), 2.0))
     assert model.other.quant_method.seen == []
+
+
+def test_a_given_engine_without_lora_rank_is_refused_for_a_lora_actor_on_vllm():
+    from arealite.api.config import GRPOConfig
+    from arealite.inference.remote import RemoteInferenceEngine
+    from arealite.trainer.rl_loop import _check_given_engine
+
+    cfg = GRPOConfig()
+    cfg.actor.lora.rank, cfg.rollout.backend = 8, "vllm"
+    with pytest.raises(ValueError, match="lora_rank=config.actor.lora.rank"):
+        _check_given_engine(cfg, RemoteInferenceEngine(cfg.rollout, ["127.0.0.1:1"]))
+    _check_given_engine(cfg, RemoteInferenceEngine(cfg.rollout, ["127.0.0.1:1"], lora_rank=8))
+    cfg.actor.lora.rank = 0  # full fine-tuning: nothing to name
+    _check_given_engine(cfg, RemoteInferenceEngine(cfg.rollout, ["127.0.0.1:1"]))

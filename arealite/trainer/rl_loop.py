@@ -471,10 +471,7 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
         inference_engine = make_inference_engine(config.rollout, model_path, os.path.join(config.output_dir, "logs"),
                                                   config.seed, lora_rank=config.actor.lora.rank)
     else:
-        if (config.actor.lora.rank > 0 and config.rollout.backend == "vllm"
-                and isinstance(inference_engine, RemoteInferenceEngine) and not inference_engine.serves_lora):
-            raise ValueError("actor.lora.rank > 0 with rollout.backend=vllm: vLLM serves the adapter by name, so "
-                             "build the RemoteInferenceEngine with lora_rank=config.actor.lora.rank")
+        _check_given_engine(config, inference_engine)
         inference_engine.initialize()
     executor = WorkflowExecutor(config.rollout, inference_engine, world)
     executor.initialize()
@@ -497,6 +494,18 @@ def setup_rl(config, build_algorithm: BuildAlgorithm, build_workflow: BuildWorkf
     run.tracer = trace.install(trace.Tracer("trainer", f"rank {rank}") if trace.enabled_by_env() else None)
     executor.staleness.trace_process = f"rollout rank {rank}"
     return run
+
+
+def _check_given_engine(config, engine) -> None:
+    """A caller's engine for a LoRA actor on vLLM must name the adapter in its requests.
+
+    Raises:
+        ValueError: a :class:`RemoteInferenceEngine` built without ``lora_rank`` for such a run.
+    """
+    if (config.actor.lora.rank > 0 and config.rollout.backend == "vllm"
+            and isinstance(engine, RemoteInferenceEngine) and not engine.serves_lora):
+        raise ValueError("actor.lora.rank > 0 with rollout.backend=vllm: vLLM serves the adapter by name, so "
+                         "build the RemoteInferenceEngine with lora_rank=config.actor.lora.rank")
 
 
 def _prepare_output_dir(config, recover_path: str | None) -> None:
