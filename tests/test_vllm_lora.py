@@ -19,7 +19,7 @@ import torch
 
 from conftest import REPO_ROOT
 from test_vllm_real import (PROMPT, TOL, _loop_module, _token_logprobs, assert_server_equals, disk_update,  # noqa: F401
-                            hf_reference, load_hf, pause, resume, save_vllm_tiny_model, server_version)
+                            hf_reference, load_hf, pause, resume, save_vllm_tiny_model, server_version, vllm_server)
 
 from arealite.api.config import InferenceEngineConfig  # noqa: E402
 from arealite.api.io_struct import WeightUpdateMeta  # noqa: E402
@@ -53,37 +53,14 @@ def assert_greedy_equals(addr: str, model, what: str, served: str | None = None,
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_lora_models")
-    return {"A": save_vllm_tiny_model(str(root / "A"), seed=0), "B": save_vllm_tiny_model(str(root / "B"), seed=1)}
+    return {"A": save_vllm_tiny_model(str(tmp_path_factory.mktemp("vllm_lora_models") / "A"), seed=0)}
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    """``127.0.0.1:port`` of one vLLM server started by our launcher on model A for LoRA adapters
-    of rank LORA_RANK (``--enable-lora``; killed at the end)."""
-    from arealite.launcher import local
-
-    cfg = InferenceEngineConfig(backend="vllm", n_servers=1, setup_timeout=600, server_max_batch_size=32)
-    log_dir = str(tmp_path_factory.mktemp("vllm_lora_logs"))
-    t0 = time.perf_counter()
-    procs = []
-    real_popen = local.subprocess.Popen
-
-    def popen(*a, **kw):  # keep a handle to kill the server at the end of the module
-        procs.append(real_popen(*a, **kw))
-        return procs[-1]
-
-    local.subprocess.Popen = popen
-    try:
-        addr = local.launch_servers(cfg, models["A"], log_dir, lora_rank=LORA_RANK)[0]
-    except BaseException:
-        print(open(os.path.join(log_dir, "server0.log")).read()[-5000:])
-        raise
-    finally:
-        local.subprocess.Popen = real_popen
-    print(f"vLLM server ready in {time.perf_counter() - t0:.1f} s at {addr}")
-    yield addr
-    local.stop_processes(procs, timeout=30)
+    """One vLLM server on model A for LoRA adapters of rank LORA_RANK (``--enable-lora``)."""
+    with vllm_server(models["A"], str(tmp_path_factory.mktemp("vllm_lora_logs")), lora_rank=LORA_RANK) as addr:
+        yield addr
 
 
 @pytest.fixture()

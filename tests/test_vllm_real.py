@@ -12,6 +12,7 @@ HF ``generate``. Skipped with a reason when ``AREALITE_VLLM_PYTHON`` is unset; w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -135,32 +136,41 @@ def models(tmp_path_factory):
     return {"A": save_vllm_tiny_model(str(root / "A"), seed=0), "B": save_vllm_tiny_model(str(root / "B"), seed=1)}
 
 
-@pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    """``127.0.0.1:port`` of one vLLM server started by our launcher on model A (killed at the end)."""
+@contextlib.contextmanager
+def vllm_server(model_path: str, log_dir: str, lora_rank: int = 0):
+    """``127.0.0.1:port`` of one vLLM server started by our launcher on ``model_path`` (for LoRA
+    adapters of ``lora_rank`` when > 0); its log is printed if it fails to start; killed on exit."""
     from arealite.launcher import local
 
     cfg = InferenceEngineConfig(backend="vllm", n_servers=1, setup_timeout=600, server_max_batch_size=32)
-    log_dir = str(tmp_path_factory.mktemp("vllm_logs"))
     t0 = time.perf_counter()
     procs = []
     real_popen = local.subprocess.Popen
 
-    def popen(*a, **kw):  # keep a handle to kill the server at the end of the module
+    def popen(*a, **kw):  # keep a handle to kill the server at the end
         procs.append(real_popen(*a, **kw))
         return procs[-1]
 
     local.subprocess.Popen = popen
     try:
-        addr = local.launch_servers(cfg, models["A"], log_dir)[0]
+        addr = local.launch_servers(cfg, model_path, log_dir, lora_rank=lora_rank)[0]
     except BaseException:
         print(open(os.path.join(log_dir, "server0.log")).read()[-5000:])
         raise
     finally:
         local.subprocess.Popen = real_popen
     print(f"vLLM server ready in {time.perf_counter() - t0:.1f} s at {addr}")
-    yield addr
-    local.stop_processes(procs, timeout=30)
+    try:
+        yield addr
+    finally:
+        local.stop_processes(procs, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """``127.0.0.1:port`` of one vLLM server on model A for the module (killed at the end)."""
+    with vllm_server(models["A"], str(tmp_path_factory.mktemp("vllm_logs"))) as addr:
+        yield addr
 
 
 @pytest.fixture()
