@@ -71,7 +71,8 @@ _TEXT_MARKER_RE = re.compile(
 _CONNECTORS = {"or", "and", "either", "between"}
 # A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
 # holding one equals only another holding one, or a single answer equal to all its alternatives.
-_OR_RE = re.compile(r"\\(?:lor|vee)(?![A-Za-z])|\bor\b")
+_LOGIC_OR = r"\\(?:lor|vee)(?![A-Za-z])"
+_OR_RE = re.compile(_LOGIC_OR + r"|\bor\b")
 # "1.5 | 2", "1.5 \\mid 2": against a plain-number gold no answer (| also writes |x| and set-builder
 # notation, so against any other gold math-verify judges).
 _BAR_RE = re.compile(r"\||\\(?:mid|vert|lvert|rvert)(?![A-Za-z])")
@@ -157,7 +158,7 @@ def _clean_run(run: str) -> str:
     """Trim a math run to its expression: outer spaces, dangling operators/commas/brackets; the
     right-hand side of the last top-level ``=`` / ``\\approx``; a unit's power after a number."""
     s = run.strip()
-    parts = re.split(r"\\(?:lor|vee)(?![A-Za-z])", s)
+    parts = re.split(_LOGIC_OR, s)
     if len(parts) > 1:  # "x = -1 \\lor x = 2": each alternative trimmed (its right-hand side), the hedge kept
         return " \\lor ".join(_clean_run(p) for p in parts)
     s = re.sub(r"\\(?:approx|simeq|equiv)\b", "=", s)
