@@ -229,3 +229,47 @@ def test_merged_push_for_sglang_has_the_hf_names_and_the_trainers_logprobs(model
         fresh = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         load_weights_from_disk(fresh, str(tmp_path / folder))
         torch.testing.assert_close(logprobs(fresh), mine[0, 1:], atol=1e-4, rtol=0)
+
+
+def test_bf16_engine_keeps_frozen_weights_in_bf16_outside_fsdp_and_merges_in_fp32(model_dir):
+    """bf16 compute on one rank: the frozen base weights are stored once as bf16 (the values
+    FSDP's per-forward cast gave: fp32 rounded to nearest bf16) and left out of FSDP (plain
+    tensors, no all-gather copies); the adapters stay fp32 FSDP parameters (DTensors) with
+    AdamW state. The merged push (SGLang, merged_final) is fp32 again: W0 + s·B A for W0 = 1 and
+    s·B A = 1e-3 is 1.001, which bf16 (ulp 2^-7 at 1) would round back to 1."""
+    from transformers import AutoModelForCausalLM
+
+    from arealite.api.config import TrainEngineConfig
+    from arealite.train_engine.fsdp import FSDPEngine
+    from arealite.train_engine.lora import lora_layers, sync_specs, sync_tensors
+
+    cfg = TrainEngineConfig(mixed_precision="bf16", lora=LoRAConfig(rank=4, alpha=8.0, init_lora_weights="false"))
+    actor = FSDPEngine(cfg)
+    actor.initialize(model_dir)
+    plain = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+    frozen = {n: p for n, p in actor.model.named_parameters() if not p.requires_grad}
+    trained = {n: p for n, p in actor.model.named_parameters() if p.requires_grad}
+    assert len(frozen) == len(plain) and len(trained) == 2 * 2 * 7
+    for n, p in frozen.items():
+        assert p.dtype == torch.bfloat16 and not hasattr(p, "full_tensor"), n
+        hf = n.removeprefix("base_model.model.").replace(".base_layer", "")
+        assert torch.equal(p.data, plain[hf].data.to(torch.bfloat16)), n
+    assert all(p.dtype == torch.float32 and hasattr(p, "full_tensor") for p in trained.values())
+    name, layer = lora_layers(actor.model)[0]
+    base = layer.get_base_layer().weight
+    a, b = (p.data.to_local() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))  # 1 rank: whole
+    base.data.fill_(1.0)
+    a.fill_(0.0)
+    a[:, 0] = 1.0
+    b.fill_(1e-3 / (4 * layer.scaling["default"]))  # s·B A = 1e-3 in column 0
+    merged = dict(sync_tensors(actor.model, merged=True))
+    assert {t.dtype for t in merged.values()} == {torch.float32}
+    assert {d for _, _, d in sync_specs(actor.model, True)} == {torch.float32}
+    w = merged[f"{name}.weight"]
+    torch.testing.assert_close(w[:, 0], torch.full_like(w[:, 0], 1.001), rtol=1e-6, atol=0)
+    assert torch.equal(w[:, 1:], torch.ones_like(w[:, 1:]))
+    actor.destroy()
+    ref = FSDPEngine(TrainEngineConfig(mixed_precision="bf16"), trainable=False)
+    ref.initialize(model_dir)  # a frozen engine: every weight
+    assert all(p.dtype == torch.bfloat16 and not hasattr(p, "full_tensor") for p in ref.model.parameters())
+    ref.destroy()

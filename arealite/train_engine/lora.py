@@ -136,6 +136,12 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (data.full_tensor() if hasattr(data, "full_tensor") else data).detach()
 
 
+def _meta_or_full(p: torch.Tensor, meta: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`_full` of ``p`` (or an empty meta tensor of its shape), cast to ``dtype`` if given."""
+    dtype = dtype or p.dtype
+    return torch.empty(p.shape, dtype=dtype, device="meta") if meta else _full(p).to(dtype)
+
+
 def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, LoraLayer)`` of every adapted module of ``model``, in module order."""
     from peft.tuners.lora import LoraLayer
@@ -155,22 +161,28 @@ def sync_tensors(model: torch.nn.Module, merged: bool) -> Iterator[tuple[str, to
     ``merged=False`` (our server, vLLM): per adapted module ``{module}.lora_A.weight`` = A [r, in]
     and ``{module}.lora_B.weight`` = s · B [out, r] (the scale folded in, so the server needs no
     config). ``merged=True`` (SGLang): every parameter under its HF name, with
-    ``{module}.weight`` = W0 + s · B A (computed in float32, cast back to W0's dtype).
+    ``{module}.weight`` = W0 + s · B A (computed in float32), every tensor in the adapters' dtype
+    (the master dtype: fp32 unless ``actor.dtype`` says otherwise).
     """
     return _iter_sync(model, merged, meta=False)
 
 
 def _iter_sync(model: torch.nn.Module, merged: bool, meta: bool):
-    def full(p):
-        return torch.empty(p.shape, dtype=p.dtype, device="meta") if meta else _full(p)
-
     layers = dict(lora_layers(model))
     if not merged:
         for name, m in layers.items():
-            a, b = full(m.lora_A[ADAPTER].weight), full(m.lora_B[ADAPTER].weight)
+            a, b = _meta_or_full(m.lora_A[ADAPTER].weight, meta), _meta_or_full(m.lora_B[ADAPTER].weight, meta)
             yield f"{name}.lora_A.weight", a
             yield f"{name}.lora_B.weight", b if meta else (b.float() * m.scaling[ADAPTER]).to(b.dtype)
         return
+    # merged: every tensor in the adapters' (master) dtype; the engine may keep the frozen base
+    # weights in the compute dtype (FSDPEngine._freeze_frozen), and W0 + s·B A rounded to bf16
+    # would lose most of the update
+    dtype = next(iter(layers.values())).lora_A[ADAPTER].weight.dtype if layers else None
+
+    def full(p):
+        return _meta_or_full(p, meta, dtype)
+
     seen: set[int] = set()
     inside: tuple[str, ...] = ()  # prefixes of LoRA layers (their children are handled with them)
     for mname, mod in model.named_modules():
@@ -187,7 +199,7 @@ def _iter_sync(model: torch.nn.Module, merged: bool, meta: bool):
             base = mod.get_base_layer()
             w0, a, b = full(base.weight), full(mod.lora_A[ADAPTER].weight), full(mod.lora_B[ADAPTER].weight)
             seen.update(id(p) for p in mod.parameters())
-            w = w0 if meta else (w0.float() + mod.scaling[ADAPTER] * (b.float() @ a.float())).to(w0.dtype)
+            w = w0 if meta else (w0.float() + mod.scaling[ADAPTER] * (b.float() @ a.float())).to(dtype)
             yield f"{mname}.weight", w
             if getattr(base, "bias", None) is not None:
                 yield f"{mname}.bias", full(base.bias)
