@@ -17,10 +17,13 @@ self time is grouped into
   minus the profiled operators).
 
 Printed: the step's wall time, the engine's model FLOPs (:data:`arealite.utils.perf.FLOPS`), the
-MFU over :func:`arealite.utils.perf.gemm_peak` of the compute dtype, the share of each group, and
+MFU of each timed step over :func:`arealite.utils.perf.gemm_peak` of the compute dtype measured
+right after it (the GEMM rate of an AMX host moves 2-4x within minutes), that of the profiled
+step, the share of each group, and
 two bounds: the MFU if everything but matmul and attention took no time, and if everything but
-matmul did (attention FLOPs still counted). The profiled step is 5-15 % slower than an
-unprofiled one: the MFU is that of the median of ``--steps`` unprofiled steps.
+matmul did (attention FLOPs still counted; short CPU rows attend with batched matmuls, counted
+as matmul: :mod:`arealite.train_engine.short_attention`). The profiled step is 5-15 % slower
+than an unprofiled one.
 
     flock /tmp/arealite_heavy.lock .venv/bin/python benchmarks/train_profile.py
     .venv/bin/python benchmarks/train_profile.py --precision none      # fp32
@@ -89,11 +92,16 @@ def main() -> None:
         engine.initialize(model_dir)
         algo = GRPO(GRPOAlgoConfig(), engine, group_size=args.group)
         batch = grpo_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
-        times = []
+        dtype = torch.bfloat16 if engine.precision == "bf16" else torch.float32
+        times, peaks, step_mfu = [], [], []
         for i in range(args.warmup + args.steps):
+            flops0 = perf.FLOPS.total
             t = time.perf_counter()
             algo.update(dict(batch))
             times.append(time.perf_counter() - t)
+            if i >= args.warmup:  # the GEMM rate of this moment (the host's drifts: docs/performance.md)
+                peaks.append(perf.gemm_peak(dtype, engine.device, cached=False) * 1e9)
+                step_mfu.append((perf.FLOPS.total - flops0) / times[-1] / peaks[-1])
         last = statistics.median(times[args.warmup:])
         flops0 = perf.FLOPS.total
         with profile() as prof:
@@ -101,8 +109,7 @@ def main() -> None:
             algo.update(dict(batch))
             wall = time.perf_counter() - t
         flops = perf.FLOPS.total - flops0
-        dtype = torch.bfloat16 if engine.precision == "bf16" else torch.float32
-        peak = perf.gemm_peak(dtype, engine.device) * 1e9  # FLOP/s
+        peak = perf.gemm_peak(dtype, engine.device, cached=False) * 1e9  # FLOP/s, after the profiled step
         engine.destroy()
 
     events = prof.key_averages()
@@ -116,7 +123,10 @@ def main() -> None:
           f"response {args.response} tokens; torch {torch.__version__}")
     print(f"step {last:.2f} s (median of {args.steps} unprofiled), {wall:.2f} s profiled; model FLOPs "
           f"{flops / 1e12:.3f} TFLOP; {flops / last / 1e9:.0f} GFLOP/s; GEMM peak {peak / 1e9:.0f} GFLOP/s "
-          f"({dtype}); MFU {100 * flops / last / peak:.1f} % (profiled step: {100 * flops / wall / peak:.1f} %)")
+          f"({dtype}, after the profiled step); MFU {100 * flops / wall / peak:.1f} % (profiled step)")
+    print("each timed step over the GEMM peak measured right after it: MFU "
+          + ", ".join(f"{100 * m:.1f} %" for m in step_mfu) + f" (median {100 * statistics.median(step_mfu):.1f} %; "
+          f"peaks {min(peaks) / 1e9:.0f}-{max(peaks) / 1e9:.0f} GFLOP/s)")
     for g, s in by_group.items():
         print(f"  {g:<13} {s:6.2f} s  {100 * s / wall:5.1f} %")
     mm, attn = by_group["matmul"], by_group["attention"]

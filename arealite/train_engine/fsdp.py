@@ -5,8 +5,11 @@
   backbone class (``AutoModelForTokenClassification``, ``num_labels=1``). Both share every code
   path; a subclass overrides only :meth:`FSDPEngine._load_model` and :meth:`FSDPEngine._head`.
 * Sharding: each decoder layer (``model._no_split_modules``) and the root are sharded with
-  ``fully_shard``; on GPU optionally bf16 compute with fp32 gradient reduction
-  (``MixedPrecisionPolicy``) and CPU offload (``CPUOffloadPolicy``).
+  ``fully_shard``; bf16 compute with fp32 master weights and gradient reduction
+  (``MixedPrecisionPolicy``) and CPU offload (``CPUOffloadPolicy``). Weights that never train
+  (LoRA's base, a frozen engine's) are stored once in the compute dtype instead of being cast at
+  every forward (the same values) and, on one rank without offload, left out of FSDP
+  (``ignored_params``: no all-gather copies; 1.1 s of a 5.6 s 1.5B LoRA step, docs/performance.md).
 * Micro-batches: rows are split into the same number of micro-batches on every rank (FSDP
   forward/backward are collectives), enough that each holds at most ``mb_spec.max_tokens_per_mb``
   real tokens if balanced, balanced by token count (longest-first greedy).
@@ -111,20 +114,6 @@ def compute_precision(config: TrainEngineConfig) -> str:
                                   "actor.mixed_precision")
 
 
-def resolve_attn_implementation(config: TrainEngineConfig) -> str:
-    """``attn_implementation="auto"``: flash-attention 2 (packed rows become varlen ``cu_seqlens``
-    calls) on CUDA with bf16 compute when the ``flash_attn`` package is installed, else sdpa
-    (packed rows get a block-diagonal causal mask)."""
-    import importlib.util
-
-    if config.attn_implementation != "auto":
-        return config.attn_implementation
-    half = compute_precision(config) == "bf16" or config.dtype == "bfloat16"
-    if torch.cuda.is_available() and half and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
 class FSDPEngine(TrainEngine):
     """A causal LM sharded with FSDP2 over all ranks of the default process group.
 
@@ -223,23 +212,15 @@ class FSDPEngine(TrainEngine):
             self.optimizer, lambda step: lr_multiplier(oc, step, total_steps))
 
     def _freeze_frozen(self, model: torch.nn.Module) -> set:
-        """Parameters that never train (LoRA's base weights; every weight of a frozen engine) are
-        stored in the compute dtype: the bf16 copy FSDP would cast from fp32 at every forward is
-        made once (the same values: a frozen weight never changes). On one rank without CPU
-        offload they are also left out of FSDP (``ignored_params``): sharding over one rank frees
-        nothing, and each forward would copy them in and out of its all-gather buffer (on a 1.5B
-        model with LoRA, 1.1 s of a 5.6 s step: ``benchmarks/train_profile.py``). Returns the
-        set to ignore."""
+        """Never-trained weights in the compute dtype (module docstring, Sharding); returns the
+        set FSDP ignores."""
         frozen = [p for p in model.parameters() if not (p.requires_grad and self.trainable)]
-        if self.precision == "bf16":
-            for p in frozen:
-                p.data = p.data.to(torch.bfloat16)
-        if self.world_size > 1 or self.config.cpu_offload:
-            return set()
-        return set(frozen)
+        for p in frozen if self.precision == "bf16" else ():
+            p.data = p.data.to(torch.bfloat16)
+        return set() if self.world_size > 1 or self.config.cpu_offload else set(frozen)
 
     def _attn_implementation(self) -> str:  # sdpa -> its variant that can attend by segments
-        impl = resolve_attn_implementation(self.config)
+        impl = segment_attention.resolve_attn_implementation(self.config, compute_precision(self.config))
         return segment_attention.register() if impl == "sdpa" else impl
 
     # -- micro-batching --------------------------------------------------------------------------

@@ -188,6 +188,22 @@ def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
                                   is_causal=is_causal, **kwargs)
 
 
+def resolve_attn_implementation(config, precision: str) -> str:
+    """``attn_implementation="auto"`` of a train engine ``config`` whose compute precision
+    (:func:`arealite.train_engine.fsdp.compute_precision`) is ``precision``: flash-attention 2
+    (packed rows become varlen ``cu_seqlens`` calls) on CUDA with bf16 compute when the
+    ``flash_attn`` package is installed, else sdpa (packed rows get a block-diagonal causal mask;
+    the engine then registers :data:`NAME`)."""
+    import importlib.util
+
+    if config.attn_implementation != "auto":
+        return config.attn_implementation
+    half = precision == "bf16" or config.dtype == "bfloat16"
+    if torch.cuda.is_available() and half and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def register() -> str:
     """Register :data:`NAME` with transformers (attention and mask functions; idempotent) and
     return it."""

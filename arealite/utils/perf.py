@@ -76,13 +76,14 @@ def causal_pairs(length: int, prefix: int = 0) -> int:
     return length * prefix + length * (length + 1) // 2
 
 
-def gemm_peak(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 1536) -> float:
+def gemm_peak(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 1536, cached: bool = True) -> float:
     """Measured GFLOP/s of a ``size``-square GEMM in ``dtype`` on ``device`` with this process's
     current torch threads (best of 6 after a warm-up: other work only ever adds time), cached per
-    (device, dtype, threads)."""
+    (device, dtype, threads); ``cached=False`` measures again (a benchmark beside each timed
+    step, on a host whose GEMM rate drifts: docs/performance.md)."""
     device = torch.device(device)
     key = (device.type, dtype, torch.get_num_threads())
-    if key not in _PEAKS:
+    if key not in _PEAKS or not cached:
         a = torch.randn(size, size, dtype=dtype, device=device)
         b = torch.randn(size, size, dtype=dtype, device=device)
         best = float("inf")
