@@ -273,3 +273,41 @@ def test_bf16_engine_keeps_frozen_weights_in_bf16_outside_fsdp_and_merges_in_fp3
     ref.initialize(model_dir)  # a frozen engine: every weight
     assert all(p.dtype == torch.bfloat16 and not hasattr(p, "full_tensor") for p in ref.model.parameters())
     ref.destroy()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_lora_forward_equals_peft_and_falls_back_where_it_must(dtype, tol):
+    """wrap_model's forward (W0 x, then s·(A x) Bᵀ added in place by one addmm_) against PEFT's own
+    forward on the same layer: outputs and the gradients of x, A and B; with the adapters
+    disabled (the reference policy), merged or under dropout PEFT's forward runs."""
+    from arealite.train_engine.lora import lora_layers, wrap_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 12, bias=True)).to(dtype)
+    model.config = None
+    cfg = LoRAConfig(rank=4, alpha=8.0, init_lora_weights="false", target_modules=["0"])
+    peft_model, hf = wrap_model(model, cfg)
+    (_, layer), = lora_layers(hf)
+    peft_forward = type(layer).forward.__get__(layer)
+    assert layer.forward is not peft_forward
+    x = torch.randn(2, 5, 16, dtype=dtype)
+    outs = {}
+    for name, fwd in (("fused", layer.forward), ("peft", peft_forward)):
+        xi = x.clone().requires_grad_()
+        out = fwd(xi)
+        out.backward(torch.ones_like(out))
+        grads = [xi.grad] + [m["default"].weight.grad.clone() for m in (layer.lora_A, layer.lora_B)]
+        layer.zero_grad(set_to_none=True)
+        outs[name] = [out.detach()] + grads
+    for got, want in zip(outs["fused"], outs["peft"]):
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+    base = layer.base_layer(x)
+    assert (outs["fused"][0] - base).abs().max() > 10 * tol  # the adapter matters
+    with peft_model.disable_adapter():  # the reference: base only
+        torch.testing.assert_close(layer(x), base, rtol=0, atol=0)
+    layer.lora_dropout["default"] = torch.nn.Dropout(0.5)
+    layer.train()
+    torch.manual_seed(1)
+    with_dropout = layer(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(with_dropout, peft_forward(x), rtol=0, atol=0)  # PEFT's path, same mask

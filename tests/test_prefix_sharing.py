@@ -93,20 +93,20 @@ def _run(model_dir, sharing, attn, critic=False, budget=2048):
 @pytest.fixture(params=["mask", "segments"])
 def sdpa_layout(request, monkeypatch):
     """The prefix-shared sdpa layout attended through its dense mask (these completions are
-    short) or by segments (forced: ``MIN_SUFFIX_TOKENS = 0``)."""
+    short) or by segments (forced: ``MIN_PAIR_RATIO = 0``)."""
     from arealite.train_engine import segment_attention
 
     if request.param == "segments":
-        monkeypatch.setattr(segment_attention, "MIN_SUFFIX_TOKENS", 0)
+        monkeypatch.setattr(segment_attention, "MIN_PAIR_RATIO", 0)
     return request.param
 
 
-@pytest.mark.parametrize("attn,min_tokens", [("sdpa", 10 ** 6), ("sdpa", 0), ("eager", 0)])
-def test_shared_prompts_give_the_same_logprobs_and_update(tiny_model_dir, attn, min_tokens, monkeypatch):
+@pytest.mark.parametrize("attn,min_ratio", [("sdpa", 10 ** 6), ("sdpa", 0), ("eager", 0)])
+def test_shared_prompts_give_the_same_logprobs_and_update(tiny_model_dir, attn, min_ratio, monkeypatch):
     """sdpa through the dense mask (short completions), sdpa by segments (forced), eager."""
     from arealite.train_engine import segment_attention
 
-    monkeypatch.setattr(segment_attention, "MIN_SUFFIX_TOKENS", min_tokens)
+    monkeypatch.setattr(segment_attention, "MIN_PAIR_RATIO", min_ratio)
     batch = _group_batch()
     out_s, st_s, p_s, packed_s = _run(tiny_model_dir, True, attn)
     out_f, st_f, p_f, packed_f = _run(tiny_model_dir, False, attn)
@@ -166,8 +166,8 @@ def test_negative_control_completions_that_see_each_other_change_the_logprobs(ti
 
     out_f = _run(tiny_model_dir, False, "sdpa")[0]
     monkeypatch.setattr(fsdp, "shared_prompt_layout", leaky)
-    for attn, min_tokens in (("sdpa", 0), ("sdpa", 10 ** 6), ("eager", 0)):  # segments; the mask
-        monkeypatch.setattr(fsdp.segment_attention, "MIN_SUFFIX_TOKENS", min_tokens)
+    for attn, min_ratio in (("sdpa", 0), ("sdpa", 10 ** 6), ("eager", 0)):  # segments; the mask
+        monkeypatch.setattr(fsdp.segment_attention, "MIN_PAIR_RATIO", min_ratio)
         out_leaky = _run(tiny_model_dir, True, attn)[0]
         assert (out_leaky - out_f).abs().max() > 1e-3
 
@@ -214,11 +214,19 @@ def test_segment_attention_equals_sdpa_with_the_layout_mask(dtype):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
 
 
-def test_segments_are_used_from_64_token_completions_on_average():
+def test_segments_are_used_where_the_dense_mask_computes_2_5x_the_pairs():
     from arealite.train_engine.segment_attention import worthwhile
 
-    prompt = [(0, 0, 0, 40)]
-    assert not worthwhile(prompt + [(0, 40, 40 + 24 * i, 24) for i in range(8)])  # README command 1
-    assert worthwhile(prompt + [(0, 40, 40 + 64 * i, 64) for i in range(8)])
-    assert not worthwhile(prompt + [(0, 40, 40, 100), (0, 40, 140, 20)])  # mean 60
-    assert not worthwhile([(0, 0, 0, 500)])  # nothing shared
+    def row(prompt, completions):  # one packed row: its spans and its dense pairs C²
+        spans, start = [(0, 0, 0, prompt)], prompt
+        for n in completions:
+            spans.append((0, prompt, start, n))
+            start += n
+        return spans, start ** 2
+
+    # README command 1: 232² = 53,824 dense pairs, 40² + 8·24·64 = 13,888 by segments (3.9x)
+    assert worthwhile(*row(40, [24] * 8))
+    assert worthwhile(*row(40, [64] * 8))
+    assert not worthwhile(*row(40, [100, 20]))  # 25,600 vs 16,800: 1.5x
+    assert not worthwhile(*row(110, [16] * 4))  # 30,276 vs 20,164: 1.5x (measured 0.86x)
+    assert not worthwhile([(0, 0, 0, 500)], 500 ** 2)  # nothing shared

@@ -93,7 +93,36 @@ def wrap_model(model: torch.nn.Module, cfg: LoRAConfig, modules_to_save: tuple[s
     from peft import get_peft_model
 
     peft_model = get_peft_model(model, peft_config(cfg, modules_to_save))
+    for _, layer in lora_layers(peft_model.base_model.model):
+        layer.forward = _fused_forward(layer, layer.forward)
     return peft_model, peft_model.base_model.model
+
+
+def _fused_forward(layer: torch.nn.Module, peft_forward):
+    """``layer``'s forward with PEFT's vanilla LoRA ``W0 x + (B (A x)) · s`` computed as
+    ``W0 x`` then one in-place ``addmm_`` of ``s · (A x) Bᵀ`` into it: the GEMM adds its product
+    (summed in fp32) to the base output, where PEFT makes three passes over the ``[tokens, out]``
+    output (B's product, the scaling, the sum) and rounds twice in bf16. Anything else (adapters
+    disabled or merged, dropout, a LoRA variant, extra arguments, mixed dtypes, a layer that is
+    not a ``Linear``) runs ``peft_forward``."""
+    from peft.tuners.lora.layer import Linear
+
+    if type(layer) is not Linear:
+        return peft_forward
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if (args or kwargs or layer.disable_adapters or layer.merged or layer.active_adapters != [ADAPTER]
+                or ADAPTER in layer.lora_variant or not isinstance(layer.lora_dropout[ADAPTER], torch.nn.Identity)):
+            return peft_forward(x, *args, **kwargs)
+        a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+        result = layer.base_layer(x)
+        if not (x.dtype == a.dtype == b.dtype == result.dtype) or not result.is_contiguous():
+            return result + layer.lora_B[ADAPTER](layer.lora_A[ADAPTER](x.to(a.dtype))) * layer.scaling[ADAPTER]
+        xa = torch.nn.functional.linear(x, a)  # [..., r]
+        result.view(-1, result.shape[-1]).addmm_(xa.reshape(-1, xa.shape[-1]), b.t(), alpha=layer.scaling[ADAPTER])
+        return result
+
+    return forward
 
 
 @torch.no_grad()
