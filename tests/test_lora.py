@@ -288,6 +288,11 @@ def test_fused_lora_forward_equals_peft_and_falls_back_where_it_must(dtype, tol)
     cfg = LoRAConfig(rank=4, alpha=8.0, init_lora_weights="false", target_modules=["0"])
     peft_model, hf = wrap_model(model, cfg)
     (_, layer), = lora_layers(hf)
+    if dtype == torch.bfloat16:  # PEFT keeps adapters fp32 on a bf16 base: its own forward runs, in bf16
+        x = torch.randn(2, 5, 16, dtype=dtype)
+        assert layer.lora_A["default"].weight.dtype == torch.float32 and layer(x).dtype == torch.bfloat16
+        torch.testing.assert_close(layer(x), type(layer).forward(layer, x), rtol=0, atol=0)
+        hf.to(dtype)  # as FSDP's bf16 policy computes: every weight bf16, the fused path
     peft_forward = type(layer).forward.__get__(layer)
     assert layer.forward is not peft_forward
     x = torch.randn(2, 5, 16, dtype=dtype)

@@ -214,7 +214,7 @@ def test_segment_attention_equals_sdpa_with_the_layout_mask(dtype):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
 
 
-def test_segments_are_used_where_the_dense_mask_computes_2_5x_the_pairs():
+def test_segments_are_used_from_64_token_completions_or_on_the_cpu_at_2_5x_fewer_pairs():
     from arealite.train_engine.segment_attention import worthwhile
 
     def row(prompt, completions):  # one packed row: its spans and its dense pairs C²
@@ -230,3 +230,6 @@ def test_segments_are_used_where_the_dense_mask_computes_2_5x_the_pairs():
     assert not worthwhile(*row(40, [100, 20]))  # 25,600 vs 16,800: 1.5x
     assert not worthwhile(*row(110, [16] * 4))  # 30,276 vs 20,164: 1.5x (measured 0.86x)
     assert not worthwhile([(0, 0, 0, 500)], 500 ** 2)  # nothing shared
+    # off the CPU (no short attention) only completions of 64 tokens or more on average
+    assert not worthwhile(*row(40, [24] * 8), "cuda") and worthwhile(*row(40, [64] * 8), "cuda")
+    assert worthwhile(*row(200, [100, 30]))  # mean 65 (ratio 1.9)

@@ -119,3 +119,28 @@ def test_engine_dispatch_runs_short_attention_and_equals_transformers_sdpa(monke
     got, _ = segment_attention.segment_attention(module, q, k, v, additive, scaling=0.25)
     assert len(calls) == 2  # a float mask goes to SDPA
     torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, keep, scaling=0.25)[0], rtol=0, atol=1e-6)
+
+
+def test_values_of_another_head_size_go_to_sdpa():
+    """Multi-head latent attention (DeepSeek-V2/V3) has value heads narrower than the keys':
+    short_attention refuses them and the dispatch keeps SDPA."""
+    module = type("Attn", (), {"num_key_value_groups": 1, "is_causal": True, "training": True})()
+    q, k, v = torch.randn(2, 4, 10, 24), torch.randn(2, 4, 10, 24), torch.randn(2, 4, 10, 16)
+    assert fits(q, k, 0.0) and not fits(q, k, 0.0, v)
+    with pytest.raises(ValueError, match="must share R and the head size"):
+        short_attention.short_attention(q, k, v, None, 0.2, is_causal=True)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    got, _ = segment_attention.segment_attention(module, q, k, v, None, scaling=0.2)
+    assert got.shape == (2, 10, 4, 16)
+    torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, None, scaling=0.2)[0])
+
+
+def test_backward_twice_with_the_graph_kept():
+    """fp32: the saved probabilities are not modified by backward (retain_graph works)."""
+    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
+    out = short_attention.short_attention(q, k, v, None, 0.5, is_causal=True)
+    out.sum().backward(retain_graph=True)
+    first = q.grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(q.grad, 2 * first)

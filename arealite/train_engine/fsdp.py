@@ -5,7 +5,7 @@
   backbone class (``AutoModelForTokenClassification``, ``num_labels=1``). Both share every code
   path; a subclass overrides only :meth:`FSDPEngine._load_model` and :meth:`FSDPEngine._head`.
 * Sharding: each decoder layer (``model._no_split_modules``) and the root are sharded with
-  ``fully_shard``; bf16 compute with fp32 master weights and gradient reduction
+  ``fully_shard``; optionally bf16 compute with fp32 master weights and gradient reduction
   (``MixedPrecisionPolicy``) and CPU offload (``CPUOffloadPolicy``). Weights that never train
   (LoRA's base, a frozen engine's) are stored once in the compute dtype instead of being cast at
   every forward (the same values) and, on one rank without offload, left out of FSDP
@@ -177,7 +177,9 @@ class FSDPEngine(TrainEngine):
         self.precision = compute_precision(self.config)
         if self.precision == "bf16":  # fp32 master weights, optimizer state and gradient reduction
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kw["ignored_params"] = self._freeze_frozen(model)
+        ignored = self._freeze_frozen(model)
+        if ignored:  # (a keyword of torch >= 2.7)
+            kw["ignored_params"] = ignored
         if self.config.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])

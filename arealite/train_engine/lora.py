@@ -115,9 +115,9 @@ def _fused_forward(layer: torch.nn.Module, peft_forward):
                 or ADAPTER in layer.lora_variant or not isinstance(layer.lora_dropout[ADAPTER], torch.nn.Identity)):
             return peft_forward(x, *args, **kwargs)
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-        result = layer.base_layer(x)
-        if not (x.dtype == a.dtype == b.dtype == result.dtype) or not result.is_contiguous():
-            return result + layer.lora_B[ADAPTER](layer.lora_A[ADAPTER](x.to(a.dtype))) * layer.scaling[ADAPTER]
+        if not x.dtype == a.dtype == b.dtype == layer.base_layer.weight.dtype:  # PEFT casts between them
+            return peft_forward(x)
+        result = layer.base_layer(x).contiguous()
         xa = torch.nn.functional.linear(x, a)  # [..., r]
         result.view(-1, result.shape[-1]).addmm_(xa.reshape(-1, xa.shape[-1]), b.t(), alpha=layer.scaling[ADAPTER])
         return result
@@ -191,7 +191,8 @@ def sync_tensors(model: torch.nn.Module, merged: bool) -> Iterator[tuple[str, to
     and ``{module}.lora_B.weight`` = s · B [out, r] (the scale folded in, so the server needs no
     config). ``merged=True`` (SGLang): every parameter under its HF name, with
     ``{module}.weight`` = W0 + s · B A (computed in float32), every tensor in the adapters' dtype
-    (the master dtype: fp32 unless ``actor.dtype`` says otherwise).
+    (fp32). With bf16 compute W0 is the bf16-rounded base the trainer computes with
+    (``FSDPEngine._freeze_frozen``; exact for a bf16 checkpoint).
     """
     return _iter_sync(model, merged, meta=False)
 
@@ -204,9 +205,9 @@ def _iter_sync(model: torch.nn.Module, merged: bool, meta: bool):
             yield f"{name}.lora_A.weight", a
             yield f"{name}.lora_B.weight", b if meta else (b.float() * m.scaling[ADAPTER]).to(b.dtype)
         return
-    # merged: every tensor in the adapters' (master) dtype; the engine may keep the frozen base
-    # weights in the compute dtype (FSDPEngine._freeze_frozen), and W0 + s·B A rounded to bf16
-    # would lose most of the update
+    # merged: every tensor in the adapters' dtype (fp32: PEFT keeps adapters in fp32); the engine
+    # may keep the frozen base weights in the compute dtype (FSDPEngine._freeze_frozen), and
+    # W0 + s·B A rounded to bf16 would lose most of the update
     dtype = next(iter(layers.values())).lora_A[ADAPTER].weight.dtype if layers else None
 
     def full(p):

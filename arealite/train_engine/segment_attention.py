@@ -18,8 +18,9 @@ Used through transformers' attention registry: :data:`NAME` is registered as an 
 implementation that runs segments when the model's forward gets ``arealite_segments=`` and
 the dense mask otherwise; each attention call is transformers' SDPA or, for short CPU rows,
 :func:`arealite.train_engine.short_attention.short_attention` (the engine loads its models with it where it would use sdpa,
-and passes segments where :func:`worthwhile` says they pay: where the dense mask would compute
-at least 2.5x the (query, key) pairs, README command 1's rows included).
+and passes segments where :func:`worthwhile` says they pay: completions of 64 tokens or more on
+average, and on the CPU wherever the dense mask would compute at least 2.5x the (query, key)
+pairs, README command 1's rows included).
 """
 
 from __future__ import annotations
@@ -31,25 +32,32 @@ import torch
 from arealite.train_engine import short_attention
 
 NAME = "arealite_sdpa"  # the attention implementation registered with transformers
-MIN_PAIR_RATIO = 2.5  # dense-mask (query, key) pairs per segment pair from which segments pay
+MIN_SUFFIX_TOKENS = 64  # mean completion length from which segments beat the dense mask (flash kernel)
+MIN_PAIR_RATIO = 2.5  # on the CPU: dense-mask (query, key) pairs per segment pair from which segments pay
 
 
-def worthwhile(spans: list[tuple[int, int, int, int]], dense_pairs: int) -> bool:
+def worthwhile(spans: list[tuple[int, int, int, int]], dense_pairs: int, device_type: str = "cpu") -> bool:
     """Whether attending ``spans`` (:func:`build_segments`' input) by segments is expected to
-    be faster than the dense mask over rows holding ``dense_pairs`` = R·C² (query, key) pairs:
-    when some prompt is shared and ``dense_pairs`` is at least :data:`MIN_PAIR_RATIO` times the
-    segments' ``Σ n (prefix + n)`` pairs. Closer ratios lose to the overhead of gathering, padding
-    and scattering segments. Measured with both paths attending through
-    :func:`arealite.train_engine.short_attention.short_attention` where it fits (2026-12-05 night,
-    the 2-core Xeon with AMX, bf16, 2 threads, a SmolLM2-135M-shaped LoRA GRPO update, the two
-    paths alternating in one process; prompt, G, completion: pair ratio, segments' speed-up):
-    40, 8, 24 (README command 1): 3.9, 1.12x; 40, 16, 24: 6.9, 1.21x; 110, 4, 16: 1.5, 0.86x.
-    Before short attention (torch's flash kernel on both paths) segments won from 64-token
-    completions (40, 8, 64: 5.6, 1.12x per layer; 200, 4, 128: 2.9, 1.09x) and lost at 40, 8, 24
-    (22 vs 45 ms per layer)."""
-    if not any(pl for _, pl, _, _ in spans):
+    be faster than the dense mask over rows holding ``dense_pairs`` = R·C² (query, key) pairs,
+    when some prompt is shared: where the completions average at least
+    :data:`MIN_SUFFIX_TOKENS` tokens, or, on the CPU (where both paths attend short rows with
+    :func:`arealite.train_engine.short_attention.short_attention`), where ``dense_pairs`` is at
+    least :data:`MIN_PAIR_RATIO` times the segments' ``Σ n (prefix + n)`` pairs.
+
+    Measured on the 2-core Xeon with AMX, bf16, 2 threads, SmolLM2-135M's heads (prompt, G,
+    completion). With torch's flash kernel on both paths (per layer, forward + backward, dense
+    vs segments; 2026-12-05): 40, 8, 24: 22 vs 45 ms; 40, 16, 24: 54 vs 81; 40, 8, 64: 104 vs
+    93; 100, 8, 64: 118 vs 110; 40, 8, 128: 232 vs 170; 200, 4, 128: 145 vs 133; 100, 8, 200:
+    530 vs 283; 150, 8, 256: 814 vs 370 ms. With short attention (the whole LoRA GRPO update,
+    the two paths alternating in one process, night of 2026-12-05; pair ratio, segments'
+    speed-up): 40, 8, 24 (README command 1): 3.9, 1.12x; 40, 16, 24: 6.9, 1.21x; 110, 4, 16:
+    1.5, 0.86x."""
+    suffixes = [n for _, pl, _, n in spans if pl]
+    if not suffixes:
         return False
-    return dense_pairs >= MIN_PAIR_RATIO * sum(n * (pl + n) for _, pl, _, n in spans)
+    if sum(suffixes) >= MIN_SUFFIX_TOKENS * len(suffixes):
+        return True
+    return device_type == "cpu" and dense_pairs >= MIN_PAIR_RATIO * sum(n * (pl + n) for _, pl, _, n in spans)
 
 @dataclasses.dataclass
 class SegmentGroup:
@@ -128,7 +136,7 @@ def for_layout(spans: list[tuple[int, int, int, int]], rows: torch.Tensor, attn_
     """:func:`build_segments` of a prefix-shared layout (its ``spans`` over the flat positions of
     ``rows`` [R, C], on its device) where the model attends with :data:`NAME` and
     :func:`worthwhile` says segments pay; None (attend through the mask) otherwise."""
-    if attn_implementation != NAME or not worthwhile(spans, rows.shape[0] * rows.shape[1] ** 2):
+    if attn_implementation != NAME or not worthwhile(spans, rows.shape[0] * rows.shape[1] ** 2, rows.device.type):
         return None
     return build_segments(spans, rows.numel(), rows.device)
 
@@ -183,7 +191,7 @@ def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     plain_mask = mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
                                   and mask.shape[2:] == (query.shape[2], key.shape[2]))
     if (plain_mask and not kwargs.get("softcap") and kwargs.get("position_bias") is None
-            and not (causal and key.shape[2] != query.shape[2]) and short_attention.fits(query, key, dropout)):
+            and not (causal and key.shape[2] != query.shape[2]) and short_attention.fits(query, key, dropout, value)):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = short_attention.short_attention(query, key, value, mask, scale, is_causal=causal)
         return out.transpose(1, 2).contiguous(), None

@@ -36,13 +36,16 @@ MAX_SCORES = 1 << 23  # R·H·Lq·Lk: 32 MiB of fp32 scores per call, 16 MiB of 
 MAX_KEYS = 256  # longer rows: the flash kernel wins (0.89x at 512 keys; its memory is O(L), not O(L²))
 
 
-def fits(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+def fits(query: torch.Tensor, key: torch.Tensor, dropout: float, value: torch.Tensor | None = None) -> bool:
     """Whether :func:`short_attention` should run this call: a CPU tensor in bf16 or fp32, no
-    dropout, at most :data:`MAX_KEYS` keys and :data:`MAX_SCORES` scores."""
+    dropout, at most :data:`MAX_KEYS` keys and :data:`MAX_SCORES` scores, and (given ``value``)
+    values of the keys' shape (not multi-head latent attention's narrower value heads)."""
     r, h, lq, _ = query.shape
     lk = key.shape[2]
+    same = value is None or (value.shape == key.shape and query.shape[0] == key.shape[0]
+                             and query.shape[-1] == key.shape[-1])
     return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float32) and dropout == 0.0
-            and lk <= MAX_KEYS and r * h * lq * lk <= MAX_SCORES)
+            and lk <= MAX_KEYS and r * h * lq * lk <= MAX_SCORES and same)
 
 
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -81,7 +84,7 @@ class _ShortAttention(torch.autograd.Function):
         r, h, lq, d = do.shape
         do = do.reshape(qg.shape)  # [R, H_kv, G·Lq, d]
         dp = _mm32(do, v.transpose(-1, -2))  # [R, H_kv, G·Lq, Lk], fp32 or wider
-        p = e.to(dp.dtype).div_(total)
+        p = e.to(dp.dtype, copy=True).div_(total)  # e is saved: never in place
         dv = torch.matmul(p.to(qg.dtype).transpose(-1, -2), do)  # summed over the G query heads
         rowsum = (do * o).sum(-1, keepdim=True, dtype=dp.dtype)
         ds = dp.sub_(rowsum).mul_(p).mul_(ctx.scale).to(qg.dtype)
@@ -109,12 +112,16 @@ def short_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         give NaN).
 
     Raises:
-        ValueError: ``H`` is not a multiple of ``H_kv``, or ``keep`` has a per-head dimension.
+        ValueError: ``H`` is not a multiple of ``H_kv``, the three differ in R or head size, or
+            ``keep`` has a per-head dimension.
     """
     r, h, lq, _ = query.shape
     hk, lk = key.shape[1], key.shape[2]
     if h % hk:
         raise ValueError(f"short_attention: {h} query heads are not a multiple of {hk} key/value heads")
+    if value.shape != key.shape or query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"short_attention: query {list(query.shape)}, key {list(key.shape)} and value "
+                         f"{list(value.shape)} must share R and the head size (use SDPA otherwise)")
     if keep is not None:
         if keep.dim() != 4 or keep.shape[1] != 1:
             raise ValueError(f"short_attention: the mask must be [R or 1, 1, Lq, Lk], got {list(keep.shape)}")
