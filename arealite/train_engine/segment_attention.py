@@ -17,10 +17,10 @@ gradient is summed over the suffixes that read it.
 Used through transformers' attention registry: :data:`NAME` is registered as an attention
 implementation that runs segments when the model's forward gets ``arealite_segments=`` and
 the dense mask otherwise; each attention call is transformers' SDPA or, for short CPU rows,
-:func:`arealite.train_engine.short_attention.short_attention` (the engine loads its models with it where it would use sdpa,
-and passes segments where :func:`worthwhile` says they pay: completions of 64 tokens or more on
-average, and on the CPU wherever the dense mask would compute at least 2.5x the (query, key)
-pairs, README command 1's rows included).
+:func:`arealite.train_engine.short_attention.short_attention`. The engine loads its models with
+it where it would use sdpa, and passes segments where :func:`worthwhile` says they pay:
+completions of 64 tokens or more on average, and on the CPU wherever the dense mask would
+compute at least 2.5x the (query, key) pairs (README command 1's rows included).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def worthwhile(spans: list[tuple[int, int, int, int]], dense_pairs: int, device_
     if sum(suffixes) >= MIN_SUFFIX_TOKENS * len(suffixes):
         return True
     return device_type == "cpu" and dense_pairs >= MIN_PAIR_RATIO * sum(n * (pl + n) for _, pl, _, n in spans)
+
 
 @dataclasses.dataclass
 class SegmentGroup:

@@ -32,7 +32,7 @@ import torch
 
 from arealite import native
 
-MAX_SCORES = 1 << 23  # R·H·Lq·Lk: 32 MiB of fp32 scores per call, 16 MiB of bf16 P kept per layer
+MAX_SCORES = 1 << 23  # R·H·Lq·Lk: 32 MiB of fp32 scores per call, 16 MiB of bf16 E kept per layer
 MAX_KEYS = 256  # longer rows: the flash kernel wins (0.89x at 512 keys; its memory is O(L), not O(L²))
 
 
