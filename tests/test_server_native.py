@@ -57,6 +57,18 @@ def test_decode_attention_matches_a_float64_reference(dtype, b, hkv, g, d, capac
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_spanning_hundreds_match_the_reference(dtype):
+    """Scores 30x the usual scale (rows spanning ~1000, exp arguments far below -87, where
+    the kernel floors them): still the float64 softmax, each weight within fp32 of it."""
+    q, k_buf, v_buf, lens = _case(4, 2, 3, 64, rows=5, capacity=50, dtype=dtype, seed=1)
+    scale = 30 * 64 ** -0.5
+    out = native.decode_attention(q, k_buf, v_buf, lens, scale)
+    ref = _reference(q, k_buf, v_buf, lens, scale)
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * (2 ** -8 if dtype == torch.bfloat16 else 1e-5) + 1e-5).all(), err.max()
+
+
 def test_positions_past_each_rows_length_are_never_read():
     q, k_buf, v_buf, lens = _case(6, 2, 3, 64, rows=6, capacity=50, dtype=torch.float32, seed=1)
     clean = native.decode_attention(q, k_buf, v_buf, lens, 0.125)

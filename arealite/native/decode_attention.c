@@ -48,12 +48,16 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
 }
 
-/* Each of the g rows of s (len scores each) -> exp(score - row max) in place; sum[j] = row j's sum. */
+/* Each of the g rows of s (len scores each) -> exp(score - row max) in place; sum[j] = row j's sum.
+ * The exponent is floored at -87 (exp = 1.6e-38, fp32's smallest normals): libmvec's vector expf
+ * takes a scalar path for a whole vector with a lane below about -87.3, and a head whose scores
+ * span more than that (attention sinks) would run 10-20x slower; a weight below 1.6e-38 next to
+ * the row maximum's 1 changes nothing. */
 static inline void softmax_rows(float *s, int64_t g, int64_t len, float *sum) {
     for (int64_t j = 0; j < g; j++) {
         float *sj = s + j * len, m = sj[0], z = 0.f;
         for (int64_t t = 1; t < len; t++) m = sj[t] > m ? sj[t] : m;
-        for (int64_t t = 0; t < len; t++) sj[t] = expf(sj[t] - m);
+        for (int64_t t = 0; t < len; t++) sj[t] = expf(fmaxf(sj[t] - m, -87.0f));
         for (int64_t t = 0; t < len; t++) z += sj[t];
         sum[j] = z;
     }
