@@ -153,16 +153,22 @@ def test_logprob_grad_bf16_equals_float64_rounded_once(std):
     assert ((got.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-7).all()
     with pytest.raises(ValueError, match="labels must lie in"):
         native.softmax_stats(logits, labels + 777, 1.0)
+    buf = torch.zeros(11, 777, dtype=torch.bfloat16)  # rows 1..9 of a larger buffer
+    assert native.logprob_grad_bf16(logits, lse, g_lp, labels, 0.5, out=buf[1:10]).data_ptr() == buf[1].data_ptr()
+    assert torch.equal(buf[1:10], got) and not buf[0].any() and not buf[10].any()
+    with pytest.raises(ValueError, match="out must be a \\[9, 777\\] bfloat16"):
+        native.logprob_grad_bf16(logits, lse, g_lp, labels, 0.5, out=buf[:9].float())
 
 
 @pytest.mark.parametrize("gemm", ["native", "onednn"])
-@pytest.mark.parametrize("chunk,head_grad", [(1000, True), (7, True), (1000, False), (7, False)])
+@pytest.mark.parametrize("chunk,head_grad", [(1000, True), (7, True), (1000, False), (30, False), (7, False)])
 def test_bf16_head_gives_the_widened_fp32_logprobs_and_bf16_close_gradients(chunk, head_grad, gemm, monkeypatch):
     """Whichever path runs here (either GEMM backend, kernels or torch ops; a backend that
     cannot run here leaves the widened fp32 GEMM), a bf16 head's logprobs and entropy equal
     the fp32 head over the widened bf16 numbers; ∂hidden (and ∂weight when the head trains; a
     frozen head, as under LoRA, takes the fused bf16 gradient) are within bf16 rounding of the
-    float64 gradients; one chunk (logits kept) and several (recomputed)."""
+    float64 gradients; one chunk (probabilities kept), several (recomputed) and, for a frozen
+    head, 60 rows in chunks of 30 (the bf16 logit gradient kept from forward)."""
     monkeypatch.setenv("AREALITE_BF16_GEMM", gemm)
     n, h, v = 60, 64, 300
     hidden = (_bf16(n, h, seed=4) * 2).requires_grad_()
@@ -181,3 +187,38 @@ def test_bf16_head_gives_the_widened_fp32_logprobs_and_bf16_close_gradients(chun
     assert all(g.dtype == torch.bfloat16 for g in got)
     for got, ref in zip(got, refs):
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@needs_library
+def test_frozen_bf16_head_keeps_its_logit_gradient_up_to_two_chunks_and_recomputes_beyond(monkeypatch):
+    """A frozen bf16 head with N <= 2 * chunk rows computes its logits once (forward only) and
+    gives the same ∂hidden as the recomputing path, each within bf16 rounding of float64; a
+    second backward (retain_graph) recomputes and agrees."""
+    from arealite.train_engine import lm_head
+    calls = []
+    real = lm_head._chunk_logits
+    monkeypatch.setattr(lm_head, "_chunk_logits", lambda h, *a, **k: calls.append(h.shape[0]) or real(h, *a, **k))
+    n, h, v = 60, 64, 300
+    weight = _bf16(v, h, seed=5)
+    labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(6))
+    g_out = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    hd = (_bf16(n, h, seed=4) * 2).double().requires_grad_()
+    ref, = torch.autograd.grad((((hd @ weight.double().t()) / 0.7).log_softmax(-1)
+                                .gather(-1, labels[:, None])[:, 0] * g_out.double()).sum(), hd)
+    grads = {}
+    for chunk in (30, 29):
+        calls.clear()
+        hidden = (_bf16(n, h, seed=4) * 2).requires_grad_()
+        lp, _ = chunked_logprobs_entropy(hidden, weight, labels, 0.7, chunk)
+        first, = torch.autograd.grad((lp * g_out).sum(), hidden, retain_graph=True)
+        forward_and_first = list(calls)
+        second, = torch.autograd.grad((lp * g_out).sum(), hidden)
+        grads[chunk] = first
+        assert first.dtype == torch.bfloat16
+        assert ((first.double() - ref).norm() / ref.norm()).item() < 1e-2
+        assert ((second.double() - ref).norm() / ref.norm()).item() < 1e-2
+        if chunk == 30:  # kept: logits built in forward only, then recomputed by the second backward
+            assert forward_and_first == [30, 30] and calls == [30, 30, 30, 30]
+        else:  # 60 > 2 * 29 rows: recomputed in backward
+            assert forward_and_first == [29, 29, 2, 29, 29, 2]
+    assert ((grads[30].double() - grads[29].double()).norm() / ref.norm()).item() < 1e-2

@@ -493,7 +493,8 @@ def softmax_stats(logits: torch.Tensor, labels: torch.Tensor, scale: float = 1.0
 
 
 def logprob_grad_bf16(logits: torch.Tensor, lse: torch.Tensor, grad_logprobs: torch.Tensor,
-                      labels: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
+                      labels: torch.Tensor, scale: float = 1.0, out: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
     """``∂(Σ_i g_i · logprob_i) / ∂logits`` = ``scale · g_i · (onehot(labels_i) − softmax(scale ·
     logits_i))`` [M, V], rounded once to bfloat16 (to nearest even), in one pass per row.
 
@@ -503,19 +504,27 @@ def logprob_grad_bf16(logits: torch.Tensor, lse: torch.Tensor, grad_logprobs: to
         grad_logprobs: [M] the gradient ``g`` of each row's logprob.
         labels: [M] integer token ids in ``[0, V)``.
         scale: ``1 / temperature`` (> 0).
+        out: optional [M, V] bfloat16 CPU tensor, last dimension contiguous, written and
+            returned (e.g. rows of a larger buffer).
 
     Returns:
         [M, V] bfloat16, or None when the library is not available.
 
     Raises:
-        ValueError: a label outside ``[0, V)``.
+        ValueError: a label outside ``[0, V)``, or ``out`` not a [M, V] bf16 CPU tensor with a
+            contiguous last dimension.
     """
     if not _logits_ok(logits, labels) or (lib := library()) is None:
         return None
     labels = labels.to(torch.int64).contiguous()
     lse, g = lse.float().contiguous(), grad_logprobs.float().contiguous()
     m, v = logits.shape
-    out = torch.empty(m, v, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(m, v, dtype=torch.bfloat16)
+    elif (out.shape != (m, v) or out.dtype != torch.bfloat16 or out.device.type != "cpu"
+          or (v > 1 and out.stride(1) != 1)):
+        raise ValueError(f"logprob_grad_bf16: out must be a [{m}, {v}] bfloat16 CPU tensor with a "
+                         f"contiguous last dimension, got {list(out.shape)} {out.dtype} on {out.device}")
     lib.logprob_grad_bf16(logits.data_ptr(), logits.stride(0), lse.data_ptr(), g.data_ptr(), labels.data_ptr(),
                           m, v, float(scale), out.data_ptr(), out.stride(0), torch.get_num_threads())
     return out

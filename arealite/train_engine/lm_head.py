@@ -6,8 +6,12 @@ is 9.6 GB in float32 — more than the rest of a 0.5B model's training state. He
 built ``chunk_size`` rows at a time, reduced to a logprob and an entropy per row, and freed; the
 backward recomputes each chunk's logits (one extra [c, H] × [H, V] matmul per chunk) and
 accumulates the gradients of ``hidden`` and ``weight``; when all rows fit in one chunk, the
-probabilities are kept from the forward instead (no recompute). The largest float buffer of the head is
-[chunk_size, V] in forward and in backward.
+probabilities are kept from the forward instead (no recompute). A bf16 model whose head gets no
+gradient (LoRA, a frozen head) with at most ``2 · chunk_size`` rows keeps instead each row's logit
+gradient per unit of its logprob's gradient, ``(onehot − p) / T`` in bf16 ([N, V], at most one fp32
+chunk's bytes), written while the forward's logits exist: its backward is one bf16 GEMM. The
+largest float buffers of the head are two [chunk_size, V] fp32 ones' worth, in forward and in
+backward.
 
 Formulas (z = logits / T, p = softmax(z), T = temperature, 0 and 1 meaning no scaling — the
 server's sampling convention, see :func:`arealite.algorithms.functional.gather_logprobs`):
@@ -93,9 +97,15 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         # float64 inputs keep torch's ops: the reference path of the tests
         native_ok = hidden.device.type == "cpu" and hidden.dtype != torch.float64 and native.library() is not None
         ctx.fused_grad = native_ok and hidden.dtype == torch.bfloat16 and need_h and not need_w and not need_b
-        # One chunk only: keep its logits (fused gradient) or probabilities for backward instead
-        # of recomputing them (still one [c, V] buffer; saves the recompute matmul).
-        keep = n <= chunk_size and (need_h or need_w or need_b)
+        # A bf16 model whose head gets no gradient: each row's logit gradient per unit of its
+        # logprob's gradient, s·(onehot − p), is written in bf16 while the chunk's logits exist
+        # and kept for backward (no recomputed logits), when all rows' [N, V] bf16 fit in one
+        # fp32 chunk's bytes (N ≤ 2·chunk_size: the head's peak stays 2·chunk_size·V·4 bytes).
+        direction = (torch.empty(n, weight.shape[0], dtype=torch.bfloat16)
+                     if ctx.fused_grad and n <= 2 * chunk_size else None)
+        # Otherwise, one chunk only: keep its probabilities for backward instead of recomputing
+        # them (still one [c, V] buffer; saves the recompute matmul).
+        keep = direction is None and n <= chunk_size and (need_h or need_w or need_b)
         ctx.kept = None
         packed = _packed(weight)
         for s in range(0, n, chunk_size):
@@ -104,14 +114,18 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             stats = native.softmax_stats(z, labels[s:e], 1.0 / t) if native_ok else None
             if stats is not None:
                 logprobs[s:e], entropy[s:e], lse_all[s:e] = stats
-                if keep:
-                    ctx.kept = z if ctx.fused_grad else z.mul_(1.0 / t).sub_(lse_all[s:e, None]).exp_()
+                if direction is not None:
+                    native.logprob_grad_bf16(z, lse_all[s:e], torch.ones(e - s), labels[s:e], 1.0 / t,
+                                             out=direction[s:e])
+                elif keep:  # probabilities
+                    ctx.kept = z.mul_(1.0 / t).sub_(lse_all[s:e, None]).exp_()
             else:
                 logprobs[s:e], entropy[s:e], lse_all[s:e], p = _torch_stats(z, labels[s:e], t)
                 if keep:
                     ctx.kept = p
                 del p
             del z
+        ctx.direction = direction
         ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
         ctx.temperature, ctx.chunk_size = t, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -123,10 +137,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         t, chunk_size = ctx.temperature, ctx.chunk_size
         n = hidden.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_lp = grad_logprobs.float()  # [N]
+        if ctx.direction is not None:  # bf16 s·(onehot − p) [N, V] from forward: one bf16 GEMM
+            grad_h = (ctx.direction @ weight).mul_(g_lp[:, None])  # [N, H], rows scaled by g in fp32
+            ctx.direction = None  # freed now (a second backward recomputes the logits)
+            return grad_h, None, None, None, None, None
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        g_lp = grad_logprobs.float()
         # ∂/∂hidden: a bf16 model gets g rounded to bf16 and a bf16 GEMM with fp32 sums (as under
         # autocast); its result is rounded to bf16 anyway, and g's rounding adds ~1.4x that
         # rounding's error (relative 2.3e-3 vs 1.7e-3 on a 49k vocabulary) at 1/4 of the fp32 cost.
@@ -135,8 +153,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         packed = _packed(weight) if ctx.kept is None else None  # for the recomputed logits
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            if ctx.fused_grad:  # bf16 model, only ∂hidden: g straight into bf16
-                z = ctx.kept if ctx.kept is not None else _chunk_logits(hidden[s:e], weight, bias, 1.0, packed)
+            if ctx.fused_grad:  # bf16 model, only ∂hidden, too many rows to keep: g straight into bf16
+                z = _chunk_logits(hidden[s:e], weight, bias, 1.0, packed)
                 g = native.logprob_grad_bf16(z, lse_all[s:e], g_lp[s:e], labels[s:e], 1.0 / t)  # [c, V]
                 del z
                 grad_h[s:e] = g @ weight  # [c, H] bf16, fp32 sums
