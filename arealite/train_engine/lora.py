@@ -117,10 +117,13 @@ def _fused_forward(layer: torch.nn.Module, peft_forward):
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
         if not x.dtype == a.dtype == b.dtype == layer.base_layer.weight.dtype:  # PEFT casts between them
             return peft_forward(x)
-        result = layer.base_layer(x).contiguous()
-        xa = torch.nn.functional.linear(x, a)  # [..., r]
-        result.view(-1, result.shape[-1]).addmm_(xa.reshape(-1, xa.shape[-1]), b.t(), alpha=layer.scaling[ADAPTER])
-        return result
+        # On [tokens, in] rows: the base output is then a tensor of its own, not a view, and the
+        # in-place addmm_ becomes its autograd node. (In place on a view of a 3-D output, autograd
+        # cloned and copied back the whole [tokens, out] gradient in backward: 2 copies per layer.)
+        x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+        result = layer.base_layer(x2)  # [T, out]
+        result.addmm_(torch.nn.functional.linear(x2, a), b.t(), alpha=layer.scaling[ADAPTER])
+        return result.view(*x.shape[:-1], result.shape[-1])
 
     return forward
 
