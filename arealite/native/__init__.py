@@ -8,8 +8,8 @@
 * :func:`softmax_stats` and :func:`logprob_grad_bf16` (``logits.c``): the trainer's LM head
   after the GEMM (logprob, entropy and logsumexp of each row; the logprob gradient as bf16), two
   passes per row instead of 5-6 whole-chunk tensor ops and their temporaries;
-* :func:`swiglu_bf16` and :func:`swiglu_backward_bf16` (``swiglu.c``): the MLP activation
-  ``silu(gate) * up`` of a bf16 model, one pass forward and one backward instead of 2 and 3 ops.
+* :mod:`arealite.native.layers` (``swiglu.c``, ``rmsnorm.c``): a bf16 model's SwiGLU activation
+  and RMSNorm, one pass forward and one backward each, with torch's roundings.
 
 Why decode attention: for one query token per row, torch's SDPA on CPU (its flash kernel) reads
 every row up to the longest row's length and runs many tiny GEMMs; on a 2-core AVX-512 machine it
@@ -62,7 +62,7 @@ import torch
 logger = logging.getLogger("arealite.native")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = tuple(os.path.join(_HERE, f) for f in ("decode_attention.c", "gemm_bf16.c", "logits.c", "swiglu.c"))
+_SOURCES = tuple(os.path.join(_HERE, f) for f in ("decode_attention.c", "gemm_bf16.c", "logits.c", "rmsnorm.c", "swiglu.c"))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
 _OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
@@ -158,8 +158,11 @@ def library() -> ctypes.CDLL | None:
     lib.logprob_grad_bf16.argtypes = [p, i64, p, p, p, i64, i64, ctypes.c_float, p, i64, ctypes.c_int]
     lib.swiglu_fwd_bf16.argtypes = [p, p, p, i64, ctypes.c_int]
     lib.swiglu_bwd_bf16.argtypes = [p, p, p, p, p, i64, ctypes.c_int]
+    lib.rmsnorm_fwd_bf16.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.rmsnorm_bwd_bf16.argtypes = [p, p, p, p, p, p, i64, i64, ctypes.c_int]
     for fn in (lib.gemm_bf16_f32, lib.pack_bf16_vnni, lib.gemm_bf16_f32_packed, lib.softmax_stats_f32,
-               lib.logprob_grad_bf16, lib.swiglu_fwd_bf16, lib.swiglu_bwd_bf16):
+               lib.logprob_grad_bf16, lib.swiglu_fwd_bf16, lib.swiglu_bwd_bf16, lib.rmsnorm_fwd_bf16,
+               lib.rmsnorm_bwd_bf16):
         fn.restype = ctypes.c_int
     logger.info("native CPU kernels %s (ready in %.1f s)", path, time.monotonic() - t0)
     return lib
@@ -533,49 +536,3 @@ def logprob_grad_bf16(logits: torch.Tensor, lse: torch.Tensor, grad_logprobs: to
                           m, v, float(scale), out.data_ptr(), out.stride(0), torch.get_num_threads())
     return out
 
-
-def swiglu_fits(*tensors: torch.Tensor) -> bool:
-    """Whether :func:`swiglu_bf16` / :func:`swiglu_backward_bf16` run on ``tensors`` here:
-    contiguous bfloat16 CPU tensors of one shape, and the library built."""
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
-               and t.shape == tensors[0].shape for t in tensors) and library() is not None
-
-
-def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` with torch's roundings (``swiglu.c``): ``s = bf16(silu(gate))``, then
-    ``bf16(s · up)``, each in fp32; equal to ``F.silu(gate) * up`` within two bf16 ulps (s
-    within one: another exp), mostly bit-equal.
-
-    Args:
-        gate, up: [..., I] bfloat16 CPU tensors of one shape, contiguous.
-
-    Returns:
-        [..., I] bfloat16, or None where it cannot run (other dtypes or devices, strides,
-        shapes, no library): the caller uses torch ops.
-    """
-    if not swiglu_fits(gate, up):
-        return None
-    lib = library()
-    h = torch.empty_like(gate)
-    lib.swiglu_fwd_bf16(gate.data_ptr(), up.data_ptr(), h.data_ptr(), gate.numel(), torch.get_num_threads())
-    return h
-
-
-def swiglu_backward_bf16(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The gradients ``(∂gate, ∂up)`` of ``h = silu(gate) * up`` for ``grad`` = ∂h, with torch's
-    roundings (``swiglu.c``: its product's and ``silu_backward``'s), within two bf16 ulps of them.
-
-    Args:
-        grad, gate, up: [..., I] bfloat16 CPU tensors of one shape, contiguous.
-
-    Returns:
-        two [..., I] bfloat16 tensors, or None where it cannot run (see :func:`swiglu_bf16`).
-    """
-    if not swiglu_fits(grad, gate, up):
-        return None
-    lib = library()
-    d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
-    lib.swiglu_bwd_bf16(grad.data_ptr(), gate.data_ptr(), up.data_ptr(), d_gate.data_ptr(), d_up.data_ptr(),
-                        gate.numel(), torch.get_num_threads())
-    return d_gate, d_up

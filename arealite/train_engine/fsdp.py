@@ -54,7 +54,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from arealite.api.cli import check_section
 from arealite.api.config import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine import Batch, TrainEngine
-from arealite.train_engine import fused_mlp, lora, segment_attention
+from arealite.train_engine import fused_layers, lora, segment_attention
 from arealite.train_engine.lm_head import chunked_logprobs_entropy
 from arealite.train_engine.packing import (pack_sequences, packed_layout, prompt_units, shared_prompt_layout,
                                      split_microbatches, unit_length)
@@ -162,7 +162,7 @@ class FSDPEngine(TrainEngine):
         use_lora = self.config.lora.rank > 0 and self.trainable  # a frozen engine needs no adapters
         if use_lora:  # target modules checked on a meta model, before the weights load
             lora.check_target_modules(model_path, self.config.lora, critic=bool(self._lora_modules_to_save))
-        model = fused_mlp.install(self._load_model(model_path, getattr(torch, self.config.dtype)))
+        model = fused_layers.install(self._load_model(model_path, getattr(torch, self.config.dtype)))
         self._flop_shape = perf.flop_shape(model)
         if use_lora:  # PEFT adapters before sharding; only they (and a value head) train
             self.peft, model = lora.wrap_model(model, self.config.lora, self._lora_modules_to_save)

@@ -1,0 +1,174 @@
+"""SwiGLU and RMSNorm as native passes (arealite/native/swiglu.c, rmsnorm.c, layers.py;
+arealite/train_engine/fused_layers.py): torch's roundings (within two bf16 ulps, mostly
+bit-equal) forward and backward, extreme inputs, the torch fallback elsewhere, and the MLPs and
+norms of a real transformers model swapped with the same outputs and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arealite import native
+from arealite.native import layers
+from arealite.train_engine import fused_layers
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler / libgomp here")
+
+
+def _ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got − ref| in units of ref's bf16 ulp (2^(e − 8) for |ref| in [2^(e−1), 2^e)), an
+    absolute 1e-30 counting as none (the kernel's silu and sigmoid of a gate below -80 are 0,
+    torch's at most 1.5e-33 in magnitude)."""
+    ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32),
+                      torch.frexp(ref.float().abs().clamp_min(2.0 ** -126)).exponent - 8)
+    diff = (got.float() - ref.float()).abs()
+    return torch.where(diff <= 1e-30, 0.0, diff / ulp)
+
+
+def _case(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(shape, generator=g) * 4).bfloat16()
+    up, grad = torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+    flat = gate.view(-1)
+    extremes = torch.tensor([-1e4, -100., -87.5, -80., -1e-3, 0., 1e-30, 80., 87.5, 100., 1e4])
+    flat[:min(flat.numel(), extremes.numel())] = extremes[:flat.numel()].bfloat16()
+    return gate, up, grad
+
+
+@needs_library
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (3, 5000), (2, 40, 1536)])  # one element; under, over one block
+def test_native_swiglu_has_torchs_roundings_forward_and_backward(shape):
+    gate, up, grad = _case(shape)
+    h = layers.swiglu_bf16(gate, up)
+    g_ref, u_ref = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    ref = F.silu(g_ref) * u_ref
+    ref.backward(grad)
+    d_gate, d_up = layers.swiglu_backward_bf16(grad, gate, up)
+    for got, want in ((h, ref.detach()), (d_gate, g_ref.grad), (d_up, u_ref.grad)):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert torch.isfinite(got.float()).all()
+        assert _ulps(got, want).max() <= 2  # s = bf16(silu(gate)) may round the other way at a tie
+        assert (_ulps(got, want) == 0).float().mean() > 0.99  # mostly the very same numbers
+    # silu(-1e4) = -0, silu(1e4) = 1e4: h = s * up exactly at both ends
+    if gate.numel() > 10:
+        assert h.view(-1)[0] == 0 and h.view(-1)[10] == (gate.view(-1)[10].float() * up.view(-1)[10].float()).bfloat16()
+
+
+@needs_library
+def test_swiglu_is_differentiable_through_the_kernels_and_falls_back_to_torch():
+    gate, up, grad = _case((4, 9, 64), seed=1)
+    g1, u1 = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    g2, u2 = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = fused_layers.swiglu(g1, u1)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_SwiGLUBackward"
+    out.backward(grad)
+    (F.silu(g2) * u2).backward(grad)
+    assert _ulps(g1.grad, g2.grad).max() <= 2 and _ulps(u1.grad, u2.grad).max() <= 2
+    # fp32, float64 and non-contiguous bf16 run torch's ops: the same numbers exactly
+    for a, b in ((gate.float(), up.float()), (gate.double(), up.double()), (gate.mT, up.mT)):
+        assert not layers.swiglu_fits(a, b)
+        assert torch.equal(fused_layers.swiglu(a, b), F.silu(a) * b)
+    assert layers.swiglu_bf16(gate, up[..., :32].contiguous()) is None  # shapes differ
+
+
+def _tiny_llama(act="silu"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, hidden_act=act)
+    return LlamaForCausalLM(cfg).bfloat16()
+
+
+def _hf_rmsnorm(x, weight, eps):
+    """transformers' own LlamaRMSNorm.forward on (x, weight, eps)."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm.forward(SimpleNamespace(weight=weight, variance_epsilon=eps), x)
+
+
+@needs_library
+@pytest.mark.parametrize("shape", [(1, 8), (3, 7, 64), (37, 576), (5, 1536)])
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])
+def test_native_rmsnorm_has_torchs_roundings_forward_and_backward(shape, scale):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=g) * scale).bfloat16()
+    x.view(-1, shape[-1])[0] = 0  # an all-zero row: y = 0, r = 1/sqrt(eps)
+    weight = (1 + torch.randn(shape[-1], generator=g) / 4).bfloat16()
+    grad = torch.randn(shape, generator=g).bfloat16()
+    x_ref, w_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = _hf_rmsnorm(x_ref, w_ref, 1e-5)
+    ref.backward(grad)
+    y, rstd = layers.rmsnorm_bf16(x, weight, 1e-5)
+    dx, dw = layers.rmsnorm_backward_bf16(grad, x, weight, rstd, True)
+    rows = x.float().view(-1, shape[-1])
+    torch.testing.assert_close(rstd, torch.rsqrt(rows.pow(2).mean(-1) + 1e-5), rtol=1e-6, atol=0)
+    for got, want in ((y, ref.detach()), (dx, x_ref.grad)):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert _ulps(got, want).max() <= 2
+        assert (_ulps(got, want) == 0).float().mean() > 0.95
+    # ∂weight: a sum over rows of bf16 products, in another order than torch's: fp32-close
+    assert dw.dtype == torch.bfloat16 and _ulps(dw, w_ref.grad).max() <= 2
+    assert layers.rmsnorm_backward_bf16(grad, x, weight, rstd, False)[1] is None
+    assert torch.equal(layers.rmsnorm_backward_bf16(grad, x, weight, rstd, False)[0], dx)
+
+
+@needs_library
+def test_rms_norm_is_differentiable_through_the_kernels_and_falls_back_to_torch():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 9, 64, generator=g).bfloat16()
+    weight = (1 + torch.randn(64, generator=g) / 4).bfloat16()
+    grad = torch.randn(4, 9, 64, generator=g).bfloat16()
+    x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_layers.rms_norm(x1, w1, 1e-6)
+    assert type(out.grad_fn).__name__ == "_RMSNormBackward"
+    out.backward(grad)
+    x2, w2 = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    _hf_rmsnorm(x2, w2, 1e-6).backward(grad)
+    assert _ulps(x1.grad, x2.grad).max() <= 2 and _ulps(w1.grad, w2.grad).max() <= 2
+    x3 = x.clone().requires_grad_()  # a frozen weight (LoRA): no ∂weight computed
+    fused_layers.rms_norm(x3, weight, 1e-6).backward(grad)
+    assert torch.equal(x3.grad, x1.grad)
+    # fp32, float64, a bf16 input with an fp32 weight (fp32 out, as in transformers) and a
+    # non-contiguous input run transformers' formula in torch: the same numbers exactly
+    for a, w in ((x.float(), weight.float()), (x.double(), weight.double()), (x, weight.float()), (x.mT, weight[:9])):
+        assert not layers.rmsnorm_fits(a, w)
+        assert torch.equal(fused_layers.rms_norm(a, w, 1e-6), _hf_rmsnorm(a, w, 1e-6))
+
+
+@needs_library
+def test_install_swaps_silu_mlps_and_rmsnorms_with_the_same_outputs_and_gradients():
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    results = []
+    for fused in (False, True):
+        model = _tiny_llama()
+        if fused:
+            assert fused_layers.install(model) is model
+            assert all("forward" in layer.mlp.__dict__ for layer in model.model.layers)
+            norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+            assert len(norms) == 5 and all("forward" in m.__dict__ for m in norms)
+        logits = model(ids).logits.float()
+        logits.logsumexp(-1).sum().backward()
+        layer = model.model.layers[0]
+        results.append((logits, layer.mlp.gate_proj.weight.grad.float(), layer.input_layernorm.weight.grad.float()))
+    (l0, g0, n0), (l1, g1, n1) = results
+    assert (l1 - l0).abs().max() <= 0.05 * l0.abs().max()  # bf16 model: ulp-level differences propagate
+    assert (g1 - g0).norm() <= 0.02 * g0.norm() and (n1 - n0).norm() <= 0.02 * n0.norm()
+    gelu = _tiny_llama("gelu")
+    fused_layers.install(gelu)
+    assert not any("forward" in layer.mlp.__dict__ for layer in gelu.model.layers)  # not a SwiGLU: left alone
+
+
+def test_only_modules_with_llamas_formulas_are_swapped():
+    """Gemma's RMSNorm (1 + weight, product before the cast) and OLMo2's MLP-free norm order
+    compute other numbers: their classes' forwards differ from Llama's, and install leaves them."""
+    from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
+    from transformers import Qwen2Config, GemmaConfig
+
+    cfg_q = Qwen2Config(hidden_size=32, intermediate_size=64)
+    cfg_g = GemmaConfig(hidden_size=32, intermediate_size=64, hidden_activation="gelu_pytorch_tanh")
+    mods = torch.nn.ModuleList([Qwen2MLP(cfg_q), Qwen2RMSNorm(32), GemmaMLP(cfg_g), GemmaRMSNorm(32)])
+    fused_layers.install(mods)
+    assert ["forward" in m.__dict__ for m in mods] == [True, True, False, False]
