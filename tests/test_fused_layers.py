@@ -169,6 +169,46 @@ def test_only_modules_with_llamas_formulas_are_swapped():
 
     cfg_q = Qwen2Config(hidden_size=32, intermediate_size=64)
     cfg_g = GemmaConfig(hidden_size=32, intermediate_size=64, hidden_activation="gelu_pytorch_tanh")
-    mods = torch.nn.ModuleList([Qwen2MLP(cfg_q), Qwen2RMSNorm(32), GemmaMLP(cfg_g), GemmaRMSNorm(32)])
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg_l = LlamaConfig(hidden_size=32, intermediate_size=64)
+
+    class ScaledMLP(LlamaMLP):  # a SiLU MLP with gate/up/down that computes something else
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class SameMLP(LlamaMLP):  # Llama's forward, inherited
+        pass
+
+    mods = torch.nn.ModuleList([Qwen2MLP(cfg_q), Qwen2RMSNorm(32), GemmaMLP(cfg_g), GemmaRMSNorm(32),
+                                ScaledMLP(cfg_l), SameMLP(cfg_l)])
     fused_layers.install(mods)
-    assert ["forward" in m.__dict__ for m in mods] == [True, True, False, False]
+    assert ["forward" in m.__dict__ for m in mods] == [True, True, False, False, False, True]
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(mods[4](x), 2 * LlamaMLP.forward(mods[4], x))
+
+
+@needs_library
+def test_a_deepcopy_runs_its_own_weights_and_second_derivatives_are_refused():
+    import copy
+
+    model = fused_layers.install(_tiny_llama())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    mlp, twin_mlp = model.model.layers[0].mlp, twin.model.layers[0].mlp
+    assert twin_mlp.forward.__self__ is twin_mlp and mlp.forward.__self__ is mlp
+    x = torch.randn(1, 7, 64).bfloat16()
+    assert not torch.equal(twin_mlp(x), mlp(x))
+    assert torch.equal(twin_mlp(x), twin_mlp.down_proj(F.silu(twin_mlp.gate_proj(x)) * twin_mlp.up_proj(x))) or \
+        _ulps(twin_mlp(x), twin_mlp.down_proj(F.silu(twin_mlp.gate_proj(x)) * twin_mlp.up_proj(x))).max() <= 2
+    assert torch.isfinite(twin(ids).logits).all()
+    gate, up = (torch.randn(5, 8).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.ones(5, 8).bfloat16().requires_grad_()  # a gradient that is itself differentiated
+    for fn in (fused_layers.swiglu, lambda a, b: fused_layers.rms_norm(a, b[0], 1e-6)):
+        d_gate, = torch.autograd.grad(fn(gate, up), gate, v, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):  # not a silently wrong one
+            d_gate.sum().backward()

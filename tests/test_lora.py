@@ -316,3 +316,25 @@ def test_fused_lora_forward_equals_peft_and_falls_back_where_it_must(dtype, tol)
     with_dropout = layer(x)
     torch.manual_seed(1)
     torch.testing.assert_close(with_dropout, peft_forward(x), rtol=0, atol=0)  # PEFT's path, same mask
+
+
+def test_fused_lora_forward_is_bound_to_its_layer_and_a_deepcopy_runs_its_own_adapters():
+    """The fused forward is a method bound to its layer (not a closure): a deepcopy of the
+    model binds the copy's layer, whose own (here changed) adapter then runs."""
+    import copy
+
+    from arealite.api.config import LoRAConfig
+    from arealite.train_engine.lora import lora_layers, wrap_model
+
+    torch.manual_seed(0)
+    hf = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+    hf.config = None
+    _, model = wrap_model(hf, LoRAConfig(rank=4, alpha=8.0, target_modules=["0", "1"]))
+    twin = copy.deepcopy(model)
+    (_, layer), (_, twin_layer) = next(iter(lora_layers(model))), next(iter(lora_layers(twin)))
+    assert layer.forward.__self__ is layer and twin_layer.forward.__self__ is twin_layer
+    with torch.no_grad():
+        twin_layer.lora_B["default"].weight.fill_(1.0)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(twin_layer(x), type(twin_layer).forward(twin_layer, x))
+    assert not torch.allclose(twin_layer(x), layer(x))

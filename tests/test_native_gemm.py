@@ -136,6 +136,15 @@ def test_softmax_stats_equal_float64(v, std, scale):
 
 
 @needs_library
+def test_loading_the_library_keeps_denormals():
+    """Linked without -ffast-math: gcc's crtfastmath.o would turn on flush-to-zero in the thread
+    that loads the library (here, pytest's: the library is loaded by now), and torch's results in
+    that thread would change."""
+    assert native.library() is not None
+    assert (torch.tensor([1e-30]) * 1e-9).item() > 0  # 1e-39, a float32 denormal
+
+
+@needs_library
 @pytest.mark.parametrize("std", [3.0, 60.0])  # 60: rows spanning ~400, exp arguments far below -87
 def test_logprob_grad_bf16_equals_float64_rounded_once(std):
     g = torch.Generator().manual_seed(0)

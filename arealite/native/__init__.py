@@ -27,7 +27,9 @@ On a CPU with AMX, oneDNN's tile units do the same product faster through torch'
 with bf16 inputs allowed (``torch.backends.mkldnn.matmul.fp32_precision``): which of the two
 runs is measured once per process, per row count (:func:`bf16_gemm_backend`).
 
-Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp``, into
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -ffast-math -fopenmp`` per source, linked
+``-shared -fopenmp`` without ``-ffast-math`` (which would also turn on flush-to-zero in the
+process, see ``_LINK``), into
 ``<cache_dir()>/kernels/`` under a name hashing the source, the flags, the compiler's version and
 this CPU's flags, so a home directory shared by different machines never runs code built for
 another CPU; concurrent builders are serialised by a file lock and the file appears by rename.
@@ -55,6 +57,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -63,7 +66,11 @@ logger = logging.getLogger("arealite.native")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = tuple(os.path.join(_HERE, f) for f in ("decode_attention.c", "gemm_bf16.c", "logits.c", "rmsnorm.c", "swiglu.c"))
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")  # compile
+# Link without -ffast-math: with it gcc links crtfastmath.o into the library, whose constructor
+# turns on flush-to-zero in the thread that loads it, changing torch's results there (denormals
+# become 0) and not in torch's other threads.
+_LINK = ("-shared", "-fopenmp")
 _OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 
@@ -95,7 +102,7 @@ def _build(cc: str) -> str:
         with open(src, "rb") as f:
             source += f.read() + b"\0"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    tag = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+    tag = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS + _LINK).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
     path = os.path.join(out_dir, f"arealite-native-{tag}.so")
@@ -106,10 +113,13 @@ def _build(cc: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
-            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *_SOURCES, "-lm"], capture_output=True,
-                                  text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} exited with {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}")
+            with tempfile.TemporaryDirectory(dir=out_dir) as objs:
+                steps = [[cc, *_FLAGS, "-c", src, "-o", os.path.join(objs, f"{i}.o")] for i, src in enumerate(_SOURCES)]
+                steps.append([cc, *_LINK, "-o", tmp, *(s[-1] for s in steps), "-lm"])
+                for cmd in steps:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                    if proc.returncode != 0:
+                        raise RuntimeError(f"{cc} exited with {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}")
             os.replace(tmp, path)
     return path
 
@@ -511,15 +521,15 @@ def logprob_grad_bf16(logits: torch.Tensor, lse: torch.Tensor, grad_logprobs: to
         grad_logprobs: [M] the gradient ``g`` of each row's logprob.
         labels: [M] integer token ids in ``[0, V)``.
         scale: ``1 / temperature`` (> 0).
-        out: optional [M, V] bfloat16 CPU tensor, last dimension contiguous, written and
-            returned (e.g. rows of a larger buffer).
+        out: optional [M, V] bfloat16 CPU tensor, last dimension contiguous, rows not
+            overlapping, written and returned (e.g. rows of a larger buffer).
 
     Returns:
         [M, V] bfloat16, or None when the library is not available.
 
     Raises:
         ValueError: a label outside ``[0, V)``, or ``out`` not a [M, V] bf16 CPU tensor with a
-            contiguous last dimension.
+            contiguous last dimension and rows apart.
     """
     if not _logits_ok(logits, labels) or (lib := library()) is None:
         return None
@@ -529,7 +539,7 @@ def logprob_grad_bf16(logits: torch.Tensor, lse: torch.Tensor, grad_logprobs: to
     if out is None:
         out = torch.empty(m, v, dtype=torch.bfloat16)
     elif (out.shape != (m, v) or out.dtype != torch.bfloat16 or out.device.type != "cpu"
-          or (v > 1 and out.stride(1) != 1)):
+          or (v > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < v)):
         raise ValueError(f"logprob_grad_bf16: out must be a [{m}, {v}] bfloat16 CPU tensor with a "
                          f"contiguous last dimension, got {list(out.shape)} {out.dtype} on {out.device}")
     lib.logprob_grad_bf16(logits.data_ptr(), logits.stride(0), lse.data_ptr(), g.data_ptr(), labels.data_ptr(),

@@ -23,7 +23,8 @@ def swiglu_fits(*tensors: torch.Tensor) -> bool:
 def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` with torch's roundings (``swiglu.c``): ``s = bf16(silu(gate))``, then
     ``bf16(s · up)``, each in fp32; equal to ``F.silu(gate) * up`` within two bf16 ulps (s
-    within one: another exp), mostly bit-equal.
+    within one: another exp), mostly bit-equal, except that silu of a gate below -80 is 0 (torch:
+    at most 1.5e-33 in magnitude).
 
     Args:
         gate, up: [..., I] bfloat16 CPU tensors of one shape, contiguous.

@@ -29,8 +29,10 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import types
 
 import torch
+import torch.nn.functional as F
 
 from arealite.native import layers
 
@@ -42,9 +44,11 @@ class _SwiGLU(torch.autograd.Function):
         return layers.swiglu_bf16(gate, up)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        return layers.swiglu_backward_bf16(grad.contiguous(), gate, up)
+        grads = layers.swiglu_backward_bf16(grad.contiguous(), gate, up)
+        return grads if grads is not None else _torch_grads(lambda g, u: F.silu(g) * u, (gate, up), grad)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -52,13 +56,31 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         y, rstd = layers.rmsnorm_bf16(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.eps = eps
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = layers.rmsnorm_backward_bf16(grad.contiguous(), x, weight, rstd, ctx.needs_input_grad[1])
-        return dx, dw, None
+        grads = layers.rmsnorm_backward_bf16(grad.contiguous(), x, weight, rstd, ctx.needs_input_grad[1])
+        if grads is None:
+            grads = _torch_grads(lambda a, w: _torch_rms_norm(a, w, ctx.eps), (x, weight), grad)
+        return grads[0], grads[1] if ctx.needs_input_grad[1] else None, None
+
+
+def _torch_grads(fn, inputs, grad):
+    """The gradients of ``fn(*inputs)`` for ``grad`` through torch's ops (where a kernel cannot
+    run at backward: never expected, the inputs were checked in forward)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        return torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -90,9 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if layers.rmsnorm_fits(x, weight):
         return _RMSNorm.apply(x, weight, float(eps))
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return _torch_rms_norm(x, weight, eps)
 
 
 @functools.cache
@@ -117,28 +137,23 @@ def _is_silu(act: object) -> bool:
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
     """Give each Llama-formula SwiGLU MLP and RMSNorm of ``model`` (module docstring) a forward
-    through :func:`swiglu` / :func:`rms_norm`; the projections and the weight are looked up at
-    each call, so PEFT's LoRA layers wrapped around the projections later, and FSDP's unsharded
-    parameters, are used. Other modules are left alone. Returns ``model``."""
+    through :func:`swiglu` / :func:`rms_norm`, a method bound to the module (a ``deepcopy`` of
+    the model binds the copy's); the projections and the weight are looked up at each call, so
+    PEFT's LoRA layers wrapped around the projections later, and FSDP's unsharded parameters,
+    are used. Other modules are left alone. Returns ``model``."""
     mlp_src, norm_src = _reference_sources()
     for module in model.modules():
         src = _source(type(module))
         if src == mlp_src and _is_silu(getattr(module, "act_fn", None)):
-            module.forward = _mlp_forward(module)
+            module.forward = types.MethodType(_mlp_forward, module)
         elif src == norm_src:
-            module.forward = _norm_forward(module)
+            module.forward = types.MethodType(_norm_forward, module)
     return model
 
 
-def _mlp_forward(mlp: torch.nn.Module):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
-
-    return forward
+def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def _norm_forward(norm: torch.nn.Module):
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
-
-    return forward
+def _norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)

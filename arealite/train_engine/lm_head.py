@@ -119,7 +119,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                                              out=direction[s:e])
                 elif keep:  # probabilities
                     ctx.kept = z.mul_(1.0 / t).sub_(lse_all[s:e, None]).exp_()
-            else:
+            else:  # (the kernels cannot run: nothing was written into direction)
+                direction = None
                 logprobs[s:e], entropy[s:e], lse_all[s:e], p = _torch_stats(z, labels[s:e], t)
                 if keep:
                     ctx.kept = p

@@ -27,6 +27,7 @@ All functions that gather tensors are collectives over the trainer ranks (same o
 from __future__ import annotations
 
 import os
+import types
 from typing import Iterator
 
 import torch
@@ -92,40 +93,35 @@ def wrap_model(model: torch.nn.Module, cfg: LoRAConfig, modules_to_save: tuple[s
     """
     from peft import get_peft_model
 
+    from peft.tuners.lora.layer import Linear
+
     peft_model = get_peft_model(model, peft_config(cfg, modules_to_save))
     for _, layer in lora_layers(peft_model.base_model.model):
-        layer.forward = _fused_forward(layer, layer.forward)
+        if type(layer) is Linear:  # bound to the layer: a deepcopy binds the copy's
+            layer.forward = types.MethodType(_fused_forward, layer)
     return peft_model, peft_model.base_model.model
 
 
-def _fused_forward(layer: torch.nn.Module, peft_forward):
-    """``layer``'s forward with PEFT's vanilla LoRA ``W0 x + (B (A x)) · s`` computed as
-    ``W0 x`` then one in-place ``addmm_`` of ``s · (A x) Bᵀ`` into it: the GEMM adds its product
-    (summed in fp32) to the base output, where PEFT makes three passes over the ``[tokens, out]``
-    output (B's product, the scaling, the sum) and rounds twice in bf16. Anything else (adapters
-    disabled or merged, dropout, a LoRA variant, extra arguments, mixed dtypes, a layer that is
-    not a ``Linear``) runs ``peft_forward``."""
-    from peft.tuners.lora.layer import Linear
-
-    if type(layer) is not Linear:
-        return peft_forward
-
-    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if (args or kwargs or layer.disable_adapters or layer.merged or layer.active_adapters != [ADAPTER]
-                or ADAPTER in layer.lora_variant or not isinstance(layer.lora_dropout[ADAPTER], torch.nn.Identity)):
-            return peft_forward(x, *args, **kwargs)
-        a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-        if not x.dtype == a.dtype == b.dtype == layer.base_layer.weight.dtype:  # PEFT casts between them
-            return peft_forward(x)
-        # On [tokens, in] rows: the base output is then a tensor of its own, not a view, and the
-        # in-place addmm_ becomes its autograd node. (In place on a view of a 3-D output, autograd
-        # cloned and copied back the whole [tokens, out] gradient in backward: 2 copies per layer.)
-        x2 = x.reshape(-1, x.shape[-1])  # [T, in]
-        result = layer.base_layer(x2)  # [T, out]
-        result.addmm_(torch.nn.functional.linear(x2, a), b.t(), alpha=layer.scaling[ADAPTER])
-        return result.view(*x.shape[:-1], result.shape[-1])
-
-    return forward
+def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A PEFT LoRA ``Linear``'s forward with its vanilla LoRA ``W0 x + (B (A x)) · s`` computed
+    as ``W0 x`` then one in-place ``addmm_`` of ``s · (A x) Bᵀ`` into it: the GEMM adds its
+    product (summed in fp32) to the base output, where PEFT makes three passes over the
+    ``[tokens, out]`` output (B's product, the scaling, the sum) and rounds twice in bf16.
+    Anything else (adapters disabled or merged, dropout, a LoRA variant, extra arguments, mixed
+    dtypes) runs PEFT's own forward."""
+    if (args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [ADAPTER]
+            or ADAPTER in self.lora_variant or not isinstance(self.lora_dropout[ADAPTER], torch.nn.Identity)):
+        return type(self).forward(self, x, *args, **kwargs)
+    a, b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
+    if not x.dtype == a.dtype == b.dtype == self.base_layer.weight.dtype:  # PEFT casts between them
+        return type(self).forward(self, x)
+    # On [tokens, in] rows: the base output is then a tensor of its own, not a view, and the
+    # in-place addmm_ becomes its autograd node. (In place on a view of a 3-D output, autograd
+    # cloned and copied back the whole [tokens, out] gradient in backward: 2 copies per layer.)
+    x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+    result = self.base_layer(x2)  # [T, out]
+    result.addmm_(torch.nn.functional.linear(x2, a), b.t(), alpha=self.scaling[ADAPTER])
+    return result.view(*x.shape[:-1], result.shape[-1])
 
 
 @torch.no_grad()

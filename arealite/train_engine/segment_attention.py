@@ -167,8 +167,11 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         x = x.transpose(1, 2).reshape(r * c, x.shape[1], d)
         return torch.cat([x, x.new_zeros(1, x.shape[1], d)])
 
-    def rows(x, idx):  # x[idx] [*idx.shape, h, d]; its gradient is one index_add_ (an indexing
-        # x[idx]'s is index_put_ with accumulate, 3-4x slower fwd + bwd on the CPU, 2026-12-05)
+    def rows(x, idx):  # x[idx] [*idx.shape, h, d]. On the CPU as index_select, whose gradient is
+        # one index_add_ (x[idx]'s is index_put_ with accumulate, 3-4x slower fwd + bwd there,
+        # 2026-12-05); elsewhere x[idx], whose CUDA gradient is deterministic (index_add_'s atomics are not)
+        if x.device.type != "cpu":
+            return x[idx]
         return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
 
     qf, kf, vf = flat(query), flat(key), flat(value)
