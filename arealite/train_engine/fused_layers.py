@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import types
 
 import torch
 import torch.nn.functional as F
@@ -137,18 +136,27 @@ def _is_silu(act: object) -> bool:
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
     """Give each Llama-formula SwiGLU MLP and RMSNorm of ``model`` (module docstring) a forward
-    through :func:`swiglu` / :func:`rms_norm`, a method bound to the module (a ``deepcopy`` of
-    the model binds the copy's); the projections and the weight are looked up at each call, so
-    PEFT's LoRA layers wrapped around the projections later, and FSDP's unsharded parameters,
-    are used. Other modules are left alone. Returns ``model``."""
+    through :func:`swiglu` / :func:`rms_norm`, by switching its class to a subclass that
+    overrides ``forward`` (as FSDP2's ``fully_shard`` does). Not an instance attribute: the
+    ``kernels`` package, which transformers calls at each ``model.train()``/``eval()`` for the
+    layers it may replace with hub kernels (RMSNorm among them), deletes those. A ``deepcopy``
+    keeps the class. The projections and the weight are looked up at each call, so PEFT's LoRA
+    layers wrapped around the projections later, and FSDP's unsharded parameters, are used.
+    Other modules are left alone. Returns ``model``."""
     mlp_src, norm_src = _reference_sources()
     for module in model.modules():
         src = _source(type(module))
         if src == mlp_src and _is_silu(getattr(module, "act_fn", None)):
-            module.forward = types.MethodType(_mlp_forward, module)
+            module.__class__ = _subclass(type(module), _mlp_forward)
         elif src == norm_src:
-            module.forward = types.MethodType(_norm_forward, module)
+            module.__class__ = _subclass(type(module), _norm_forward)
     return model
+
+
+@functools.cache
+def _subclass(cls: type, forward) -> type:
+    """``cls`` with ``forward``, named ``Fused<cls>`` (one per class)."""
+    return type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
