@@ -73,15 +73,12 @@ def test_swiglu_is_differentiable_through_the_kernels_and_falls_back_to_torch():
 def _count_calls(monkeypatch) -> dict:
     """Calls of the native layer kernels from now on, by name."""
     calls = {}
-    for name in ("swiglu", "rms_norm"):
-        for fn in (f"{name.replace('rms_norm', 'rmsnorm')}_bf16", f"{name.replace('rms_norm', 'rmsnorm')}_backward_bf16"):
-            real = getattr(layers, fn)
-            key = name + ("_backward" if "backward" in fn else "")
-
-            def spy(*a, _real=real, _key=key, **k):
-                calls[_key] = calls.get(_key, 0) + 1
-                return _real(*a, **k)
-            monkeypatch.setattr(layers, fn, spy)
+    for fn, key in (("swiglu_bf16", "swiglu"), ("swiglu_backward_bf16", "swiglu_backward"),
+                    ("rmsnorm_bf16", "rms_norm"), ("rmsnorm_backward_bf16", "rms_norm_backward")):
+        def spy(*a, _real=getattr(layers, fn), _key=key, **k):
+            calls[_key] = calls.get(_key, 0) + 1
+            return _real(*a, **k)
+        monkeypatch.setattr(layers, fn, spy)
     return calls
 
 
@@ -163,8 +160,6 @@ def test_install_swaps_silu_mlps_and_rmsnorms_with_the_same_outputs_and_gradient
             assert all(type(layer.mlp).__name__ == "FusedLlamaMLP" for layer in model.model.layers)
             norms = [m for m in model.modules() if type(m).__name__ == "FusedLlamaRMSNorm"]
             assert len(norms) == 5
-            model.train()  # transformers runs the kernels package here, which resets forwards
-            model.eval()  # that are instance attributes: the subclasses' stay
             calls = _count_calls(monkeypatch)
         logits = model(ids).logits.float()
         logits.logsumexp(-1).sum().backward()
@@ -232,3 +227,52 @@ def test_a_deepcopy_runs_its_own_weights_and_second_derivatives_are_refused():
         d_gate, = torch.autograd.grad(fn(gate, up), gate, v, create_graph=True)
         with pytest.raises(RuntimeError, match="once_differentiable"):  # not a silently wrong one
             d_gate.sum().backward()
+
+
+
+def test_the_reference_forwards_are_transformers_llama_ones():
+    """The native passes compute transformers' Llama formulas as they read today: if an upgrade
+    changes LlamaMLP.forward or LlamaRMSNorm.forward, this fails (and install swaps nothing)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    assert fused_layers._source(LlamaMLP) == fused_layers.MLP_SOURCE
+    assert fused_layers._source(LlamaRMSNorm) == fused_layers.NORM_SOURCE
+
+
+@needs_library
+def test_a_loaded_model_keeps_its_native_layers_through_train_and_eval(tiny_model_dir, monkeypatch):
+    """As the engine loads it (from_pretrained, then install): transformers' train()/eval() run
+    the kernels package where it is installed, which deletes instance forwards of RMSNorms (a
+    probe shows it ran); the Fused classes' forwards stay, and a training step calls the kernels."""
+    from transformers import AutoModelForCausalLM
+
+    model = fused_layers.install(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16))
+    probe = model.model.norm
+    probe.forward = lambda h: 1 / 0  # an instance forward, as the first version of install set
+    model.train()
+    model.eval()
+    model.train()
+    try:
+        import kernels  # noqa: F401
+        assert "forward" not in vars(probe)  # the kernels package removed it: the hazard is real here
+    except ImportError:
+        probe.__dict__.pop("forward")
+    n_layers = len(model.model.layers)
+    calls = _count_calls(monkeypatch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    model(ids).logits.float().logsumexp(-1).sum().backward()
+    assert calls == {"swiglu": n_layers, "rms_norm": 2 * n_layers + 1,
+                     "swiglu_backward": n_layers, "rms_norm_backward": 2 * n_layers + 1}
+
+
+def test_without_the_kernels_conditions_the_swapped_modules_run_transformers_own_forward():
+    """fp32 (and any device or dtype the passes do not take): a swapped model gives the very
+    numbers of the original one; an activation with a hook is not a plain SiLU: not swapped."""
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+    plain, swapped = _tiny_llama().float(), fused_layers.install(_tiny_llama().float())
+    assert type(swapped.model.layers[0].mlp).__name__ == "FusedLlamaMLP"
+    assert torch.equal(plain(ids).logits, swapped(ids).logits)
+    hooked = _tiny_llama()
+    hooked.model.layers[0].mlp.act_fn.register_forward_hook(lambda *a: None)
+    fused_layers.install(hooked)
+    assert [type(layer.mlp).__name__ for layer in hooked.model.layers] == ["LlamaMLP", "FusedLlamaMLP"]

@@ -184,7 +184,7 @@ class FSDPEngine(TrainEngine):
             kw["offload_policy"] = CPUOffloadPolicy()
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         for module in model.modules():
-            if type(module).__name__ in layer_classes:
+            if any(c.__name__ in layer_classes for c in type(module).__mro__):  # (a Fused<cls> too)
                 fully_shard(module, **kw)
         fully_shard(model, **kw)
         # Backbone + head as one FSDP forward of the root: root parameters (embeddings, final

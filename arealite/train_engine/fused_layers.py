@@ -14,14 +14,14 @@ For a bf16 model on the CPU, :func:`install` gives such modules forwards that ru
 :mod:`arealite.native.layers` instead: one pass forward and one backward each, the same roundings
 (results within two bf16 ulps of torch's, most of them equal), and less saved for backward (the
 MLP keeps ``gate`` and ``up``, not ``silu(gate)``; the norm keeps ``x`` and one fp32 per row).
-Other dtypes and devices run torch's ops. On the 2-core Xeon with AMX (2026-12-05): SwiGLU on
+Other dtypes and devices run transformers' own forward. On the 2-core Xeon with AMX (2026-12-05): SwiGLU on
 [1856, 8960], forward 24.6 -> 6.2 ms, forward + backward 45 -> 15 ms
 (``python benchmarks/layers_bench.py`` has both layers).
 
-A module is swapped only when its class's ``forward`` has the very source of transformers'
-``LlamaMLP.forward`` (with a SiLU ``act_fn``) or ``LlamaRMSNorm.forward``, so a model whose MLP
-or norm computes anything else (Gemma's ``1 + weight``, OLMo2's order of product and cast,
-gelu) keeps its own.
+A module is swapped only when its class's ``forward`` reads exactly :data:`MLP_SOURCE` (with a
+plain SiLU ``act_fn``) or :data:`NORM_SOURCE`, transformers' Llama forwards, so a model whose
+MLP or norm computes anything else (Gemma's ``1 + weight``, OLMo2's order of product and cast,
+gelu, clamps, extra scales) keeps its own.
 """
 
 from __future__ import annotations
@@ -114,11 +114,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _torch_rms_norm(x, weight, eps)
 
 
-@functools.cache
-def _reference_sources() -> tuple[str, str]:
-    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
-
-    return _source(LlamaMLP), _source(LlamaRMSNorm)
+# transformers' LlamaMLP.forward and LlamaRMSNorm.forward (5.x), whitespace collapsed: the
+# formulas the native passes compute. A module is swapped only if its class's forward reads
+# exactly so; tests/test_fused_layers.py checks that the installed transformers' Llama forwards
+# still do (an upgrade that changes them fails a test instead of changing the numbers).
+MLP_SOURCE = ("def forward(self, x): down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * "
+              "self.up_proj(x)) return down_proj")
+NORM_SOURCE = ("def forward(self, hidden_states: torch.Tensor) -> torch.Tensor: input_dtype = "
+               "hidden_states.dtype hidden_states = hidden_states.to(torch.float32) variance = "
+               "hidden_states.pow(2).mean(-1, keepdim=True) hidden_states = hidden_states * "
+               "torch.rsqrt(variance + self.variance_epsilon) return self.weight * hidden_states.to(input_dtype)")
 
 
 @functools.cache
@@ -131,24 +136,30 @@ def _source(cls: type) -> str | None:
 
 
 def _is_silu(act: object) -> bool:
-    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    """A plain SiLU module (torch's or transformers'), without hooks or its own forward."""
+    from transformers.activations import SiLUActivation
+
+    return (type(act) in (torch.nn.SiLU, SiLUActivation) and "forward" not in vars(act)
+            and not (act._forward_hooks or act._forward_pre_hooks))
 
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
     """Give each Llama-formula SwiGLU MLP and RMSNorm of ``model`` (module docstring) a forward
-    through :func:`swiglu` / :func:`rms_norm`, by switching its class to a subclass that
-    overrides ``forward`` (as FSDP2's ``fully_shard`` does). Not an instance attribute: the
-    ``kernels`` package, which transformers calls at each ``model.train()``/``eval()`` for the
-    layers it may replace with hub kernels (RMSNorm among them), deletes those. A ``deepcopy``
-    keeps the class. The projections and the weight are looked up at each call, so PEFT's LoRA
+    through the native passes, by switching its class to a ``Fused<class>`` subclass that
+    overrides ``forward`` (as FSDP2's ``fully_shard`` does); where the passes cannot run (not
+    bf16, not the CPU) that forward calls transformers' own. Not an instance attribute: for a
+    model loaded with ``from_pretrained`` while the ``kernels`` package is installed,
+    transformers kernelizes the layers it may swap for hub kernels (RMSNorm among them) when
+    ``train()``/``eval()`` change the mode, and with no hub kernel deletes their instance
+    ``forward``. A ``deepcopy`` keeps the class; ``pickle`` cannot find it (use ``deepcopy`` or
+    state dicts). The projections and the weight are looked up at each call, so PEFT's LoRA
     layers wrapped around the projections later, and FSDP's unsharded parameters, are used.
     Other modules are left alone. Returns ``model``."""
-    mlp_src, norm_src = _reference_sources()
     for module in model.modules():
         src = _source(type(module))
-        if src == mlp_src and _is_silu(getattr(module, "act_fn", None)):
+        if src == MLP_SOURCE and _is_silu(getattr(module, "act_fn", None)):
             module.__class__ = _subclass(type(module), _mlp_forward)
-        elif src == norm_src:
+        elif src == NORM_SOURCE:
             module.__class__ = _subclass(type(module), _norm_forward)
     return model
 
@@ -160,8 +171,13 @@ def _subclass(cls: type, forward) -> type:
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if layers.swiglu_fits(gate, up):
+        return self.down_proj(_SwiGLU.apply(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)  # transformers' expression
 
 
 def _norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    if layers.rmsnorm_fits(hidden_states, self.weight):
+        return _RMSNorm.apply(hidden_states, self.weight, float(self.variance_epsilon))
+    return super(type(self), self).forward(hidden_states)  # transformers' own
