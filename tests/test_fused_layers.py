@@ -1,4 +1,4 @@
-"""SwiGLU and RMSNorm as native passes (arealite/native/swiglu.c, rmsnorm.c, layers.py;
+"""SwiGLU and RMSNorm as native passes (arealite/native/layers.c, layers.py;
 arealite/train_engine/fused_layers.py): torch's roundings (within two bf16 ulps, mostly
 bit-equal) forward and backward, extreme inputs, the torch fallback elsewhere, and the MLPs and
 norms of a real transformers model swapped with the same outputs and gradients."""

@@ -8,7 +8,7 @@
 * :func:`softmax_stats` and :func:`logprob_grad_bf16` (``logits.c``): the trainer's LM head
   after the GEMM (logprob, entropy and logsumexp of each row; the logprob gradient as bf16), two
   passes per row instead of 5-6 whole-chunk tensor ops and their temporaries;
-* :mod:`arealite.native.layers` (``swiglu.c``, ``rmsnorm.c``): a bf16 model's SwiGLU activation
+* :mod:`arealite.native.layers` (``layers.c``): a bf16 model's SwiGLU activation
   and RMSNorm, one pass forward and one backward each, with torch's roundings.
 
 Why decode attention: for one query token per row, torch's SDPA on CPU (its flash kernel) reads
@@ -65,7 +65,7 @@ import torch
 logger = logging.getLogger("arealite.native")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = tuple(os.path.join(_HERE, f) for f in ("decode_attention.c", "gemm_bf16.c", "logits.c", "rmsnorm.c", "swiglu.c"))
+_SOURCES = tuple(os.path.join(_HERE, f) for f in ("decode_attention.c", "gemm_bf16.c", "logits.c", "layers.c"))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")  # compile
 # Link without -ffast-math: with it gcc links crtfastmath.o into the library, whose constructor
 # turns on flush-to-zero in the thread that loads it, changing torch's results there (denormals

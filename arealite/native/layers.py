@@ -1,4 +1,4 @@
-"""Native passes of a bf16 model's elementwise layers on the CPU (``swiglu.c``, ``rmsnorm.c``;
+"""Native passes of a bf16 model's elementwise layers on the CPU (``layers.c``;
 built with the other kernels, :func:`arealite.native.library`): the SwiGLU activation
 ``silu(gate) * up`` and transformers' Llama RMSNorm, forward and backward, with torch's roundings
 (results within two bf16 ulps of torch's ops, most of them equal). Used by
@@ -21,7 +21,7 @@ def swiglu_fits(*tensors: torch.Tensor) -> bool:
 
 
 def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` with torch's roundings (``swiglu.c``): ``s = bf16(silu(gate))``, then
+    """``silu(gate) * up`` with torch's roundings (``layers.c``): ``s = bf16(silu(gate))``, then
     ``bf16(s · up)``, each in fp32; equal to ``F.silu(gate) * up`` within two bf16 ulps (s
     within one: another exp), mostly bit-equal, except that silu of a gate below -80 is 0 (torch:
     at most 1.5e-33 in magnitude).
@@ -44,7 +44,7 @@ def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
 def swiglu_backward_bf16(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The gradients ``(∂gate, ∂up)`` of ``h = silu(gate) * up`` for ``grad`` = ∂h, with torch's
-    roundings (``swiglu.c``: its product's and ``silu_backward``'s), within two bf16 ulps of them.
+    roundings (``layers.c``: its product's and ``silu_backward``'s), within two bf16 ulps of them.
 
     Args:
         grad, gate, up: [..., I] bfloat16 CPU tensors of one shape, contiguous.
@@ -71,7 +71,7 @@ def rmsnorm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rmsnorm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """transformers' Llama RMSNorm ``weight * (x · rsqrt(mean(x²) + eps)).to(bf16)`` (``rmsnorm.c``
+    """transformers' Llama RMSNorm ``weight * (x · rsqrt(mean(x²) + eps)).to(bf16)`` (``layers.c``
     has the formulas and roundings).
 
     Args:
