@@ -3,7 +3,7 @@
 
 * Fooling classes: a completion whose final answer is a *different* expression built from the gold
   answer's digits — a fraction over it, a power of it, a mixed number whose fraction holds it, a
-  unit's power, a list or tuple containing it, a hedge, a self-correction away from it — scores 0.
+  unit's power, a list or tuple containing it, a list of equations ending in it, a hedge, a self-correction away from it — scores 0.
 * Equivalent rewritings of the gold (LaTeX fraction forms, decimals, mixed numbers, thousands
   separators, units and currency around the number, markers, inline in a sentence, a
   self-correction towards it) score 1.
@@ -92,6 +92,21 @@ def test_a_units_power_is_not_the_answer(g, v, unit, pre, wrap):
        pre=prefix, wrap=wrapper)
 def test_a_list_or_tuple_containing_the_gold_number_scores_0(g, a, b, form, pre, wrap):
     assert_score(completion(pre, wrap, form.format(a=a, b=b, g=g)), str(g), 0.0)
+
+
+@CASES
+@given(g=gold_int, a=other_int, var=st.sampled_from(["x", "y", "x_1", "n"]),
+       sep=st.sampled_from([", ", "; ", " | ", " \\mid ", " \\vert ", " \\quad ", " \\qquad ", " \\\\ "]),
+       order=st.booleans(), pre=prefix, wrap=wrapper)
+def test_a_list_of_equations_holding_the_gold_number_scores_0(g, a, var, sep, order, pre, wrap):
+    # "x = 3, x = 7" lists two solutions: it is no single one of them, whichever comes last.
+    first, last = (a, g) if order else (g, a)
+    listed = f"{var} = {first}{sep}{var} = {last}"
+    if a == g:
+        return
+    assert_score(completion(pre, wrap, listed), str(g), 0.0)
+    assert_score(completion(pre, "\\boxed{{{a}}}", listed), f"{first}, {last}", 1.0)
+    assert_score(completion(pre, "\\boxed{{{a}}}", f"{first}, {last}"), listed, 1.0)
 
 
 @CASES

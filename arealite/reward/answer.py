@@ -12,7 +12,10 @@ percentage, and the right-hand side of a last ``=`` (``48+24 = 72`` answers 72).
 currency signs, ``\\text{...}`` and unit words — with their powers (``5 cm^2`` answers 5) — are
 dropped; anywhere else a word ends the answer. Two expressions joined by a hedge ("6 or 7",
 "either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7") are one compound
-answer, equal to no single value.
+answer, equal to no single value. A list of equations (``x = 1, x = 2``, ``x = 1 \\mid x = 2``,
+parted by ``,`` ``;`` a bar, ``\\quad`` or ``\\\\``) answers the list of their right-hand sides
+(``1, 2``), equal to no single one of them; nor does a right-hand side answer alone when a list
+separator before its ``=`` parts off a value (``x \\le 1, y = 2``).
 
 **Equivalence** (:func:`answers_equivalent`). Plain numbers (integers, decimals, ``a/b``,
 ``\\frac``/``\\dfrac``/``\\tfrac``/``\\frac12``, mixed numbers, percentages) compare as exact
@@ -84,7 +87,7 @@ _TOKEN_RE = re.compile(r"""
   | (?P<num>\d+(?:\.\d+)?|\.\d+)
   | (?P<cmd>\\(?:begin|end)\s*\{[a-zA-Z*]+\}|\\[a-zA-Z]+|\\[%{}\\])
   | (?P<word>[A-Za-z]{2,})
-  | (?P<math>[A-Za-z+\-*/^_=<>()\[\]{}%,|!&×·÷−]|\s+)
+  | (?P<math>[A-Za-z+\-*/^_=<>()\[\]{}%,;|!&×·÷−]|\s+)
   | (?P<other>.)
 """, re.VERBOSE | re.DOTALL)
 # LaTeX spacing/sizing commands and markup dropped before anything else.
@@ -154,6 +157,36 @@ def _has_value(run: str) -> bool:
     return bool(re.search(r"\d|\\(?:frac|dfrac|tfrac|sqrt|pi|infty|emptyset)", run))
 
 
+# What separates two equations of a list: a comma, a semicolon, a bar, a LaTeX space or row break.
+_EQUATION_SEP_RE = re.compile(r",|;|\||\\\\|\\(?:mid|vert|quad|qquad)(?![A-Za-z])")
+_LIST_SEP_RE = re.compile(r",|;|\\\\|\\(?:quad|qquad)(?![A-Za-z])")
+
+
+def _top_level(s: str, pattern: re.Pattern) -> list[re.Match]:
+    """The matches of ``pattern`` in ``s`` outside any bracket pair."""
+    depth, depths = 0, []
+    for c in s:
+        depths.append(depth)
+        depth += (c in "([{") - (c in ")]}")
+    return [m for m in pattern.finditer(s) if depths[m.start()] == 0]
+
+
+def _equation_list(s: str) -> list[str] | None:
+    """``s`` split into equations at top-level separators (:data:`_EQUATION_SEP_RE`) when it is a
+    list of two or more, each with a value on both sides of a top-level ``=`` (``x=1, x=2``,
+    ``x_1 = 1 \\quad x_2 = 2``); None otherwise (``|x| = 2``, ``x = |-2| = 2``, ``x = 1, 2``)."""
+    cuts = _top_level(s, _EQUATION_SEP_RE)
+    if not cuts:
+        return None
+    bounds = [0] + [b for m in cuts for b in (m.start(), m.end())] + [len(s)]
+    pieces = [s[bounds[i]:bounds[i + 1]] for i in range(0, len(bounds), 2)]
+    for piece in pieces:
+        eqs = [m.start() for m in _top_level(piece, re.compile(r"(?<![<>!])=(?!=)"))]
+        if not eqs or not piece[:eqs[0]].strip() or not piece[eqs[-1] + 1:].strip():
+            return None
+    return pieces
+
+
 def _clean_run(run: str) -> str:
     """Trim a math run to its expression: outer spaces, dangling operators/commas/brackets; the
     right-hand side of the last top-level ``=`` / ``\\approx``; a unit's power after a number."""
@@ -162,16 +195,21 @@ def _clean_run(run: str) -> str:
     if len(parts) > 1:  # "x = -1 \\lor x = 2": each alternative trimmed (its right-hand side), the hedge kept
         return " \\lor ".join(_clean_run(p) for p in parts)
     s = re.sub(r"\\(?:approx|simeq|equiv)\b", "=", s)
+    equations = _equation_list(s)
+    if equations:  # "x=1, x=2", "x=1 \\mid x=2": every right-hand side, a list (never one value)
+        return ", ".join(_clean_run(e) for e in equations)
     depth, last_eq = 0, -1
     for i, c in enumerate(s):
         depth += c in "([{"
         depth -= c in ")]}"
         if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
             last_eq = i
-    if last_eq >= 0:
+    # The right-hand side of the last "=" answers, unless a list separator before it parts off
+    # a value of its own ("x \\le 1, y = 2" is a system, not 2).
+    if last_eq >= 0 and not (_top_level(s[:last_eq], _LIST_SEP_RE) and re.search(r"\d", s[:last_eq])):
         s = s[last_eq + 1:]
-    s = s.strip().strip(",").strip()
-    s = re.sub(r"^[*/^_=<>,]+|[-+*/^_=<>,(\[]+$", "", s).strip()
+    s = s.strip().strip(",;").strip()
+    s = re.sub(r"^[*/^_=<>,;]+|[-+*/^_=<>,;(\[]+$", "", s).strip()
     # Unbalanced closing brackets at the end (a sentence's "(... 72)") are not the answer's.
     while s and s[-1] in ")]}" and s.count(s[-1]) > s.count({")": "(", "]": "[", "}": "{"}[s[-1]]):
         s = s[:-1].rstrip()
@@ -259,11 +297,20 @@ def extract_final_answer(text: str) -> str | None:
             if mark.group(0) == "####":
                 span = span.split("\n", 1)[0]
             else:
-                span = re.split(r"\n|[.!?;](?=\s|$)|(?<!\d)\.(?!\d)", span, maxsplit=1)[0]
+                span = _first_sentence(span)
             answer = _normalise(span, last=False)
         if answer is not None:
             return answer
     return _normalise(text, last=True)
+
+
+def _first_sentence(span: str) -> str:
+    """``span`` up to its first sentence end outside ``$...$`` / ``\\(...\\)``: a newline, ``.!?``
+    before a space, a ``.`` not in a number, a ``;`` before a word ("5; next we check"). In "is
+    $x = 1; x = 2$." and "is x = 1; x = 2." the ``;`` is the answer's: a list."""
+    masked = re.sub(r"\$[^$]*\$|\\\((?:.|\n)*?\\\)", lambda m: "_" * len(m.group(0)), span)
+    end = re.search(r"\n|[.!?](?=\s|$)|;(?=\s*$|\s+[A-Za-z]{2,})|(?<!\d)\.(?!\d)", masked)
+    return span[:end.start()] if end else span
 
 
 def normalise_gold(answer: str) -> str | None:
