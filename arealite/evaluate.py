@@ -53,7 +53,7 @@ import torch
 
 from arealite.api.config import GenerationConfig, InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest
-from arealite.dataset.math_data import load_dataset
+from arealite.dataset.math_data import arithmetic_pool, load_dataset
 from arealite.reward.answer import extract_final_answer
 from arealite.reward.math import math_reward
 from arealite.utils.hf import tokenize_chat
@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             rows = load_code(dpath, "test", args.size or None, args.seed)
         else:
-            rows = load_dataset(dpath, "test", args.size or None, args.seed)
+            # --size 0 = all, the embedded task's whole test pool too (its loader's default is 200)
+            size = args.size or (len(arithmetic_pool("test")) if dpath is None else None)
+            rows = load_dataset(dpath, "test", size, args.seed)
         prompts = [tokenize_chat(tok, r["messages"]) for r in rows]
         t0, records = time.time(), {}
 

@@ -226,3 +226,20 @@ def test_evaluator_fields_are_checked(tmp_path):
         cfg = EvalConfig(**{field: value})
         with pytest.raises(ConfigError, match=f"evaluator.{field}|{field}"):
             validate_config(cfg)
+
+
+def test_size_0_reads_the_whole_embedded_test_pool(tiny_model_dir, tmp_path, monkeypatch):
+    import arealite.evaluate as ev
+    from arealite.dataset.math_data import arithmetic_pool, load_dataset
+
+    asked = []
+
+    def spy(path, split, size, seed):
+        asked.append((path, split, size))
+        return load_dataset(path, split, 2, seed)  # two problems are enough to run the CLI
+
+    monkeypatch.setattr(ev, "load_dataset", spy)
+    ev.main(["--model-path", tiny_model_dir, "--size", "0", "--max-new-tokens", "2", "--num-threads", "1",
+             "--output", str(tmp_path / "e.jsonl")])
+    assert asked == [(None, "test", len(arithmetic_pool("test")))]
+    assert len(arithmetic_pool("test")) > 200  # more than the loader's default
