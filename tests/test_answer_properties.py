@@ -96,7 +96,8 @@ def test_a_list_or_tuple_containing_the_gold_number_scores_0(g, a, b, form, pre,
 
 @CASES
 @given(g=gold_int, a=other_int, var=st.sampled_from(["x", "y", "x_1", "n"]),
-       sep=st.sampled_from([", ", "; ", " | ", " \\mid ", " \\vert ", " \\quad ", " \\qquad ", " \\\\ "]),
+       sep=st.sampled_from([", ", "; ", " | ", " \\mid ", " \\vert ", " \\quad ", " \\qquad ", " \\\\ ", " \\; ",
+                            " ~ ", ",\\quad ", ";; ", " || ", " \\mid\\mid ", " \\& ", " \\text{, } ", " \\text{ and } "]),
        order=st.booleans(), pre=prefix, wrap=wrapper)
 def test_a_list_of_equations_holding_the_gold_number_scores_0(g, a, var, sep, order, pre, wrap):
     # "x = 3, x = 7" lists two solutions: it is no single one of them, whichever comes last.
@@ -105,8 +106,20 @@ def test_a_list_of_equations_holding_the_gold_number_scores_0(g, a, var, sep, or
     if a == g:
         return
     assert_score(completion(pre, wrap, listed), str(g), 0.0)
+    if "and" in sep:
+        return  # "1 and 2" reads as a hedge, equal to no list either
     assert_score(completion(pre, "\\boxed{{{a}}}", listed), f"{first}, {last}", 1.0)
     assert_score(completion(pre, "\\boxed{{{a}}}", f"{first}, {last}"), listed, 1.0)
+
+
+@CASES
+@given(g=st.integers(min_value=2, max_value=999), k=st.integers(min_value=2, max_value=9), pre=prefix, wrap=wrapper,
+       form=st.sampled_from(["x^2 = {sq}, x = {g}", "{k}x = {kg}, x = {g}", "{a} + {b} = {g}",
+                             "{kg} / {k} = {g}", "x = {a} + {b} = {g}", "a = {k}, b = {g}"]))
+def test_a_chain_of_working_ending_in_the_gold_scores_1(g, k, pre, wrap, form):
+    # working steps parted by commas are no list of solutions: the last right-hand side answers
+    expr = form.format(g=g, k=k, sq=g * g, kg=k * g, a=g - 1, b=1)
+    assert_score(completion(pre, wrap, expr), str(g), 1.0)
 
 
 @CASES

@@ -12,10 +12,10 @@ percentage, and the right-hand side of a last ``=`` (``48+24 = 72`` answers 72).
 currency signs, ``\\text{...}`` and unit words — with their powers (``5 cm^2`` answers 5) — are
 dropped; anywhere else a word ends the answer. Two expressions joined by a hedge ("6 or 7",
 "either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7") are one compound
-answer, equal to no single value. A list of equations (``x = 1, x = 2``, ``x = 1 \\mid x = 2``,
-parted by ``,`` ``;`` a bar, ``\\quad`` or ``\\\\``) answers the list of their right-hand sides
-(``1, 2``), equal to no single one of them; nor does a right-hand side answer alone when a list
-separator before its ``=`` parts off a value (``x \\le 1, y = 2``).
+answer, equal to no single value. A list of solutions of one unknown (``x = 1, x = 2``,
+``x = 1 \\mid x = 2``, ``x_1 = 1 \\quad x_2 = 2``) answers the list of their values (``1, 2``),
+equal to no single one of them; a chain of working (``x^2 = 25, x = 5``) answers its last
+right-hand side.
 
 **Equivalence** (:func:`answers_equivalent`). Plain numbers (integers, decimals, ``a/b``,
 ``\\frac``/``\\dfrac``/``\\tfrac``/``\\frac12``, mixed numbers, percentages) compare as exact
@@ -81,11 +81,12 @@ _OR_RE = re.compile(_LOGIC_OR + r"|\bor\b")
 _BAR_RE = re.compile(r"\||\\(?:mid|vert|lvert|rvert)(?![A-Za-z])")
 # A \text{} that is only a connector and values ("1.5 \text{ (or 2)}"): its words are the answer's.
 _TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*\(?\s*(?:or|either)\b[^A-Za-z{}]*\)?\s*)\}")
-# A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, spaces.
+# A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, semicolons
+# (a list's: "x = 1; x = 2"), spaces.
 _TOKEN_RE = re.compile(r"""
     (?P<text>\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{[^{}]*\})
   | (?P<num>\d+(?:\.\d+)?|\.\d+)
-  | (?P<cmd>\\(?:begin|end)\s*\{[a-zA-Z*]+\}|\\[a-zA-Z]+|\\[%{}\\])
+  | (?P<cmd>\\(?:begin|end)\s*\{[a-zA-Z*]+\}|\\[a-zA-Z]+|\\[%{}\\&])
   | (?P<word>[A-Za-z]{2,})
   | (?P<math>[A-Za-z+\-*/^_=<>()\[\]{}%,;|!&×·÷−]|\s+)
   | (?P<other>.)
@@ -123,7 +124,7 @@ def _segments(text: str) -> list[tuple[str, str]]:
 
     A multi-letter word (or ``\\text{...}``) ends a run; a ``^``/``_`` right after a word, with its
     exponent (``cm^2``, ``\\text{m}^{3}``), belongs to the word (a unit's power). Sentence
-    punctuation (``.`` not inside a number, ``:;?!``, quotes, other symbols) is a ``stop``."""
+    punctuation (``.`` not inside a number, ``:?!``, quotes, other symbols) is a ``stop``."""
     out: list[tuple[str, str]] = []
     cur: list[str] = []
 
@@ -137,7 +138,9 @@ def _segments(text: str) -> list[tuple[str, str]]:
         m = _TOKEN_RE.match(text, pos)
         kind, tok = m.lastgroup, m.group(0)
         pos = m.end()
-        if kind in ("text", "word"):
+        if kind == "text" and re.fullmatch(r"[\s,;]*[,;][\s,;]*", tok[tok.index("{") + 1:-1]):
+            cur.append(tok[tok.index("{") + 1:-1])  # "\text{, }": punctuation, the math's own
+        elif kind in ("text", "word"):
             flush()
             word = tok[tok.index("{") + 1:-1].strip().lower() if kind == "text" else tok.lower()
             power = _UNIT_POWER_RE.match(text, pos)
@@ -157,9 +160,12 @@ def _has_value(run: str) -> bool:
     return bool(re.search(r"\d|\\(?:frac|dfrac|tfrac|sqrt|pi|infty|emptyset)", run))
 
 
-# What separates two equations of a list: a comma, a semicolon, a bar, a LaTeX space or row break.
-_EQUATION_SEP_RE = re.compile(r",|;|\||\\\\|\\(?:mid|vert|quad|qquad)(?![A-Za-z])")
-_LIST_SEP_RE = re.compile(r",|;|\\\\|\\(?:quad|qquad)(?![A-Za-z])")
+# "x =", "x_2 =", "x_{12} =" at the start of a run or after a separator (space, comma, semicolon,
+# bar, a LaTeX row break or space command): an unknown named before its value.
+_NAMED_EQ_RE = re.compile(r"(?:^|(?<=[\s,;|&]))([A-Za-z])(?:_\{?\w+\}?)?\s*=(?!=)")
+# What may trail a listed value before the next "x =": separators, bars, LaTeX spaces, "and".
+_LIST_TAIL_RE = re.compile(r"(?:[\s,;|&~]|\\[\\&]|\\(?:mid|vert|lvert|rvert|quad|qquad)(?![A-Za-z])"
+                           r"|\\text\s*\{[\s,;]*(?:and)?[\s,;]*\})+$")
 
 
 def _top_level(s: str, pattern: re.Pattern) -> list[re.Match]:
@@ -171,20 +177,26 @@ def _top_level(s: str, pattern: re.Pattern) -> list[re.Match]:
     return [m for m in pattern.finditer(s) if depths[m.start()] == 0]
 
 
-def _equation_list(s: str) -> list[str] | None:
-    """``s`` split into equations at top-level separators (:data:`_EQUATION_SEP_RE`) when it is a
-    list of two or more, each with a value on both sides of a top-level ``=`` (``x=1, x=2``,
-    ``x_1 = 1 \\quad x_2 = 2``); None otherwise (``|x| = 2``, ``x = |-2| = 2``, ``x = 1, 2``)."""
-    cuts = _top_level(s, _EQUATION_SEP_RE)
-    if not cuts:
+def _listed_values(s: str) -> list[str] | None:
+    """The values of ``s`` when it lists solutions of one unknown: ``x = 1, x = 2``,
+    ``x_1 = 1 \\quad x_2 = 2``, ``x = 1 \\mid x = 2``, ``x=1;; x=2`` — the same letter (any
+    subscript) named before each top-level ``=``, the first at the start, each with a value
+    before the next; the values in order, repeats dropped (``x = 5, x = 5`` is one value). None
+    otherwise: one equation, a chain of working (``x^2 = 25, x = 5``, ``2x = 10, x = 5``,
+    ``3 + 4 = 7, 7 \\times 2 = 14``), different unknowns (``a = 1, b = 2``), a value holding the
+    unknown (``x = 1, x = 2x - 1``)."""
+    names = _top_level(s, _NAMED_EQ_RE)
+    if len(names) < 2 or s[:names[0].start()].strip() or len({m.group(1) for m in names}) > 1:
         return None
-    bounds = [0] + [b for m in cuts for b in (m.start(), m.end())] + [len(s)]
-    pieces = [s[bounds[i]:bounds[i + 1]] for i in range(0, len(bounds), 2)]
-    for piece in pieces:
-        eqs = [m.start() for m in _top_level(piece, re.compile(r"(?<![<>!])=(?!=)"))]
-        if not eqs or not piece[:eqs[0]].strip() or not piece[eqs[-1] + 1:].strip():
-            return None
-    return pieces
+    values = []
+    for m, nxt in zip(names, names[1:] + [None]):
+        value = s[m.end():nxt.start() if nxt else len(s)]
+        value = _LIST_TAIL_RE.sub("", value).strip() if nxt else value.strip()
+        if not value or re.search(rf"(?<![A-Za-z\\]){m.group(1)}(?![A-Za-z])", value):
+            return None  # no value, or one in terms of the unknown ("x = 1, x = 2x - 1")
+        if value not in values:
+            values.append(value)
+    return values
 
 
 def _clean_run(run: str) -> str:
@@ -195,18 +207,16 @@ def _clean_run(run: str) -> str:
     if len(parts) > 1:  # "x = -1 \\lor x = 2": each alternative trimmed (its right-hand side), the hedge kept
         return " \\lor ".join(_clean_run(p) for p in parts)
     s = re.sub(r"\\(?:approx|simeq|equiv)\b", "=", s)
-    equations = _equation_list(s)
-    if equations:  # "x=1, x=2", "x=1 \\mid x=2": every right-hand side, a list (never one value)
-        return ", ".join(_clean_run(e) for e in equations)
+    values = _listed_values(s)
+    if values:  # "x=1, x=2", "x=1 \\mid x=2": the values as a list (one value: itself)
+        return ", ".join(_clean_run(v) for v in values)
     depth, last_eq = 0, -1
     for i, c in enumerate(s):
         depth += c in "([{"
         depth -= c in ")]}"
         if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
             last_eq = i
-    # The right-hand side of the last "=" answers, unless a list separator before it parts off
-    # a value of its own ("x \\le 1, y = 2" is a system, not 2).
-    if last_eq >= 0 and not (_top_level(s[:last_eq], _LIST_SEP_RE) and re.search(r"\d", s[:last_eq])):
+    if last_eq >= 0:
         s = s[last_eq + 1:]
     s = s.strip().strip(",;").strip()
     s = re.sub(r"^[*/^_=<>,;]+|[-+*/^_=<>,;(\[]+$", "", s).strip()
@@ -305,11 +315,13 @@ def extract_final_answer(text: str) -> str | None:
 
 
 def _first_sentence(span: str) -> str:
-    """``span`` up to its first sentence end outside ``$...$`` / ``\\(...\\)``: a newline, ``.!?``
-    before a space, a ``.`` not in a number, a ``;`` before a word ("5; next we check"). In "is
-    $x = 1; x = 2$." and "is x = 1; x = 2." the ``;`` is the answer's: a list."""
-    masked = re.sub(r"\$[^$]*\$|\\\((?:.|\n)*?\\\)", lambda m: "_" * len(m.group(0)), span)
-    end = re.search(r"\n|[.!?](?=\s|$)|;(?=\s*$|\s+[A-Za-z]{2,})|(?<!\d)\.(?!\d)", masked)
+    """``span`` up to its first sentence end outside ``$...$`` / ``$$...$$`` / ``\\(...\\)``
+    (an escaped ``\\$`` is currency, not math): a newline, ``.!?`` before a space, a ``.`` not in
+    a number, a ``;`` unless an equation of a named unknown follows it ("is 5; next we check"
+    ends at the ``;``; "is x = 1; x = 2." and "is $x = 1; x = 2$." are a list)."""
+    masked = re.sub(r"(?<!\\)\$\$.*?(?<!\\)\$\$|(?<!\\)\$(?:[^$\n\\]|\\.)*(?<!\\)\$|\\\((?:.|\n)*?\\\)",
+                    lambda m: "_" * len(m.group(0)), span, flags=re.S)
+    end = re.search(r"\n|[.!?](?=\s|$)|;(?![\s;,]*\$?\s*[A-Za-z](?:_\{?\w+\}?)?\s*=)|(?<!\d)\.(?!\d)", masked)
     return span[:end.start()] if end else span
 
 
