@@ -177,6 +177,29 @@ def test_a_hedge_whose_alternatives_all_equal_the_gold_scores_1():
     assert math_reward("\\boxed{|x|}", "|x|") == 1.0
 
 
+@pytest.mark.parametrize("text,values", [
+    ("\\boxed{x=1, x=2}", ("1", "2")), ("\\boxed{x=1\\\\x=2}", ("1", "2")), ("\\boxed{x &= 1 \\\\ x &= 2}", ("1", "2")),
+    ("\\boxed{\\theta = 30, \\theta = 150}", ("30", "150")), ("\\boxed{\\therefore x = 1, x = 2}", ("1", "2")),
+    ("\\boxed{x' = 1, x'' = 2}", ("1", "2")), ("\\boxed{y = 0, x = 1, x = 2}", ("1", "2")),
+    ("The answer is $x = 1$; $x = 2$.", ("1", "2")), ("The answer is x = 1; x = 2.", ("1", "2")),
+    ("\\boxed{x = 2+3 = 5, x = 7}", ("5", "7"))])
+def test_a_list_of_solutions_pays_for_the_list_only(text, values):
+    assert [math_reward(text, v) for v in values] == [0.0, 0.0]
+    assert math_reward(text, ", ".join(values)) == 1.0
+
+
+@pytest.mark.parametrize("text,gold", [
+    ("\\boxed{x = 10/2, x = 5}", "5"), ("\\boxed{x = \\sqrt{25}, x = 5}", "5"), ("So $x = 60/4$, $x = 15$", "15"),
+    ("x = 60 / 4\nx = 15", "15"), ("So x = 12 - 4 \\\\ x = 8", "8"), ("\\boxed{x = 10/2 \\implies x = 5}", "5"),
+    ("\\boxed{x^2 = 25, x = 5}", "5"), ("\\boxed{a = 1, b = 2}", "2"), ("\\boxed{x = 5, x = 5}", "5"),
+    ("The answer is 12; x = 3 was the width.", "12"), ("The answer is x = 4; y = 5.", "4"),
+    ("The answer is \\$18\n\nAnd \\$2 is left over.", "18")])
+def test_working_on_one_unknown_is_no_list(text, gold):
+    """Equal values of one unknown are working (the last answers); a ';' in a marker's sentence
+    ends it unless the same unknown is named again; an escaped \\$ is currency, not math."""
+    assert math_reward(text, gold) == 1.0
+
+
 # ---------------------------------------------------------------- RewardWorker
 def test_worker_normal_and_real_reward_fn():
     with RewardWorker(timeout=30) as w:

@@ -13,9 +13,9 @@ currency signs, ``\\text{...}`` and unit words — with their powers (``5 cm^2``
 dropped; anywhere else a word ends the answer. Two expressions joined by a hedge ("6 or 7",
 "either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7") are one compound
 answer, equal to no single value. A list of solutions of one unknown (``x = 1, x = 2``,
-``x = 1 \\mid x = 2``, ``x_1 = 1 \\quad x_2 = 2``) answers the list of their values (``1, 2``),
-equal to no single one of them; a chain of working (``x^2 = 25, x = 5``) answers its last
-right-hand side.
+``x = 1 \\mid x = 2``, ``x_1 = 1 \\quad x_2 = 2``) answers the list of its distinct values
+(``1, 2``), equal to no single one of them; working (``x = 10/2, x = 5``, ``x^2 = 25, x = 5``)
+answers its last right-hand side.
 
 **Equivalence** (:func:`answers_equivalent`). Plain numbers (integers, decimals, ``a/b``,
 ``\\frac``/``\\dfrac``/``\\tfrac``/``\\frac12``, mixed numbers, percentages) compare as exact
@@ -138,8 +138,8 @@ def _segments(text: str) -> list[tuple[str, str]]:
         m = _TOKEN_RE.match(text, pos)
         kind, tok = m.lastgroup, m.group(0)
         pos = m.end()
-        if kind == "text" and re.fullmatch(r"[\s,;]*[,;][\s,;]*", tok[tok.index("{") + 1:-1]):
-            cur.append(tok[tok.index("{") + 1:-1])  # "\text{, }": punctuation, the math's own
+        if kind == "text" and re.fullmatch(r"[\s,;]*", tok[tok.index("{") + 1:-1]):
+            cur.append(tok[tok.index("{") + 1:-1] or " ")  # "\text{, }", "\text{ }": the math's punctuation
         elif kind in ("text", "word"):
             flush()
             word = tok[tok.index("{") + 1:-1].strip().lower() if kind == "text" else tok.lower()
@@ -160,12 +160,20 @@ def _has_value(run: str) -> bool:
     return bool(re.search(r"\d|\\(?:frac|dfrac|tfrac|sqrt|pi|infty|emptyset)", run))
 
 
-# "x =", "x_2 =", "x_{12} =" at the start of a run or after a separator (space, comma, semicolon,
-# bar, a LaTeX row break or space command): an unknown named before its value.
-_NAMED_EQ_RE = re.compile(r"(?:^|(?<=[\s,;|&]))([A-Za-z])(?:_\{?\w+\}?)?\s*=(?!=)")
+# An unknown's name: a letter or a Greek letter, then primes, a subscript or a bracketed index
+# (x, x_1, x_{12}, x', x^{(2)}, \theta_1); group 1 is the letter, shared by x_1 and x_2.
+_GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|xi|"
+          "pi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega")
+_NAME = rf"([A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\)\}})?"
+# A named unknown before its "=" (or aligned "&="): at the start, after a separator (space,
+# comma, semicolon, bar, tilde, "&", "$") or after a LaTeX row break "\\".
+_NAMED_EQ_RE = re.compile(rf"(?:^|(?<=[\s,;|&~$])|(?<=\\\\)){_NAME}\s*&?\s*=(?!=)")
 # What may trail a listed value before the next "x =": separators, bars, LaTeX spaces, "and".
-_LIST_TAIL_RE = re.compile(r"(?:[\s,;|&~]|\\[\\&]|\\(?:mid|vert|lvert|rvert|quad|qquad)(?![A-Za-z])"
-                           r"|\\text\s*\{[\s,;]*(?:and)?[\s,;]*\})+$")
+_LIST_TAIL_RE = re.compile(r"(?:[\s,;|&~$]|\\[\\&]|\\(?:mid|vert|lvert|rvert|quad|qquad)(?![A-Za-z])"
+                           r"|\\(?:text|mbox|textrm|mathrm)\s*\{[\s,;]*(?:and)?[\s,;]*\})+$")
+# Working between two equations: a chain, not a list ("x = 10/2 \implies x = 5").
+_WORKING_RE = re.compile(r"\\(?:implies|impliedby|iff|Rightarrow|Longrightarrow|rightarrow|longrightarrow|to|"
+                         r"therefore|because|Leftrightarrow)(?![A-Za-z])")
 
 
 def _top_level(s: str, pattern: re.Pattern) -> list[re.Match]:
@@ -177,26 +185,49 @@ def _top_level(s: str, pattern: re.Pattern) -> list[re.Match]:
     return [m for m in pattern.finditer(s) if depths[m.start()] == 0]
 
 
+def _same_value(a: str, b: str) -> bool:
+    """Whether two values of one unknown are the same number or expression, a calculation
+    included (``10/2`` and ``5``, ``12 - 4`` and ``8``, ``2`` and ``2.0``): math-verify."""
+    if a.replace(" ", "") == b.replace(" ", ""):
+        return True
+    if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
+        return False
+    try:
+        return _math_verify_equal(a, b)
+    except Exception:
+        return False
+
+
 def _listed_values(s: str) -> list[str] | None:
-    """The values of ``s`` when it lists solutions of one unknown: ``x = 1, x = 2``,
-    ``x_1 = 1 \\quad x_2 = 2``, ``x = 1 \\mid x = 2``, ``x=1;; x=2`` — the same letter (any
-    subscript) named before each top-level ``=``, the first at the start, each with a value
-    before the next; the values in order, repeats dropped (``x = 5, x = 5`` is one value). None
-    otherwise: one equation, a chain of working (``x^2 = 25, x = 5``, ``2x = 10, x = 5``,
-    ``3 + 4 = 7, 7 \\times 2 = 14``), different unknowns (``a = 1, b = 2``), a value holding the
-    unknown (``x = 1, x = 2x - 1``)."""
+    """The values of the unknown named last in ``s`` when ``s`` names it before two or more
+    top-level ``=`` (``x = 1, x = 2``, ``x_1 = 1 \\quad x_2 = 2``, ``x = 1 \\mid x = 2``,
+    ``\\theta = 30, \\theta = 150``, ``y = 0, x = 1, x = 2``), each value followed only by
+    separators (:data:`_LIST_TAIL_RE`): the distinct values in order — a list — or, when all are
+    the same value, the last alone: working on one unknown (``x = 10/2, x = 5`` is 5). None
+    otherwise: the unknown named once (``x^2 = 25, x = 5``, ``2x = 10, x = 5``, ``a = 1, b = 2``),
+    working between the equations (``x = 10/2 \\implies x = 5``), an empty value, or a value
+    holding the unknown (``x = 1, x = 2x - 1``)."""
     names = _top_level(s, _NAMED_EQ_RE)
-    if len(names) < 2 or s[:names[0].start()].strip() or len({m.group(1) for m in names}) > 1:
+    if len(names) < 2:
         return None
+    letter = names[-1].group(1)
     values = []
     for m, nxt in zip(names, names[1:] + [None]):
-        value = s[m.end():nxt.start() if nxt else len(s)]
-        value = _LIST_TAIL_RE.sub("", value).strip() if nxt else value.strip()
-        if not value or re.search(rf"(?<![A-Za-z\\]){m.group(1)}(?![A-Za-z])", value):
-            return None  # no value, or one in terms of the unknown ("x = 1, x = 2x - 1")
-        if value not in values:
-            values.append(value)
-    return values
+        if m.group(1) != letter:
+            continue
+        raw = s[m.end():nxt.start() if nxt else len(s)]
+        value = _LIST_TAIL_RE.sub("", raw).strip() if nxt else raw.strip()
+        if (not value or _WORKING_RE.search(value)
+                or re.search(rf"(?<![A-Za-z\\]){re.escape(letter)}(?![A-Za-z])", value)):
+            return None
+        values.append(_clean_run(value))
+    if len(values) < 2:
+        return None
+    distinct: list[str] = []
+    for v in values:
+        if not any(_same_value(v, d) for d in distinct):
+            distinct.append(v)
+    return distinct if len(distinct) > 1 else values[-1:]
 
 
 def _clean_run(run: str) -> str:
@@ -317,12 +348,19 @@ def extract_final_answer(text: str) -> str | None:
 def _first_sentence(span: str) -> str:
     """``span`` up to its first sentence end outside ``$...$`` / ``$$...$$`` / ``\\(...\\)``
     (an escaped ``\\$`` is currency, not math): a newline, ``.!?`` before a space, a ``.`` not in
-    a number, a ``;`` unless an equation of a named unknown follows it ("is 5; next we check"
-    ends at the ``;``; "is x = 1; x = 2." and "is $x = 1; x = 2$." are a list)."""
+    a number, a ``;`` — unless the unknown named before the ``;`` is named again right after it
+    ("is x = 1; x = 2." and "is $x = 1$; $x = 2$." list two values; "is 12; x = 3 was the
+    width" and "is x = 4; y = 5" end at the ``;``)."""
     masked = re.sub(r"(?<!\\)\$\$.*?(?<!\\)\$\$|(?<!\\)\$(?:[^$\n\\]|\\.)*(?<!\\)\$|\\\((?:.|\n)*?\\\)",
                     lambda m: "_" * len(m.group(0)), span, flags=re.S)
-    end = re.search(r"\n|[.!?](?=\s|$)|;(?![\s;,]*\$?\s*[A-Za-z](?:_\{?\w+\}?)?\s*=)|(?<!\d)\.(?!\d)", masked)
-    return span[:end.start()] if end else span
+    for end in re.finditer(r"\n|[.!?](?=\s|$)|;|(?<!\d)\.(?!\d)", masked):
+        if end.group(0) == ";":
+            after = _NAMED_EQ_RE.match(re.sub(r"^[\s;,$]*", "", span[end.end():]))
+            before = _NAMED_EQ_RE.findall(span[:end.start()])
+            if after and before and before[-1] == after.group(1):
+                continue
+        return span[:end.start()]
+    return span
 
 
 def normalise_gold(answer: str) -> str | None:
