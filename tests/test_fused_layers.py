@@ -229,6 +229,24 @@ def test_a_deepcopy_runs_its_own_weights_and_second_derivatives_are_refused():
             d_gate.sum().backward()
 
 
+@needs_library
+def test_pickle_and_torch_save_keep_the_fused_classes_and_the_outputs(tmp_path):
+    import pickle
+
+    model = fused_layers.install(_tiny_llama())
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(3))
+    want = model(ids).logits
+    for copy in (pickle.loads(pickle.dumps(model)), _saved_and_loaded(model, tmp_path / "m.pt")):
+        assert [type(m).__name__ for m in copy.modules()] == [type(m).__name__ for m in model.modules()]
+        assert type(copy.model.layers[0].mlp) is type(model.model.layers[0].mlp)  # the same Fused class
+        assert torch.equal(copy(ids).logits, want)
+
+
+def _saved_and_loaded(model, path):
+    torch.save(model, path)
+    return torch.load(path, weights_only=False)
+
+
 
 def test_the_reference_forwards_are_transformers_llama_ones():
     """The native passes compute transformers' Llama formulas as they read today: if an upgrade

@@ -151,8 +151,7 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     model loaded with ``from_pretrained`` while the ``kernels`` package is installed,
     transformers kernelizes the layers it may swap for hub kernels (RMSNorm among them) when
     ``train()``/``eval()`` change the mode, and with no hub kernel deletes their instance
-    ``forward``. A ``deepcopy`` keeps the class; ``pickle`` cannot find it (use ``deepcopy`` or
-    state dicts). The projections and the weight are looked up at each call, so PEFT's LoRA
+    ``forward``. A ``deepcopy``, ``pickle`` and ``torch.save`` of the model keep the class. The projections and the weight are looked up at each call, so PEFT's LoRA
     layers wrapped around the projections later, and FSDP's unsharded parameters, are used.
     Other modules are left alone. Returns ``model``."""
     for module in model.modules():
@@ -166,8 +165,19 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
 
 @functools.cache
 def _subclass(cls: type, forward) -> type:
-    """``cls`` with ``forward``, named ``Fused<cls>`` (one per class)."""
-    return type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    """``cls`` with ``forward``, named ``Fused<cls>`` (one per class). Its instances pickle as
+    (``cls``, ``forward``, state): unpickling makes the subclass again (:func:`_rebuilt`)."""
+    return type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__,
+                                                 "__reduce_ex__": _reduce_ex})
+
+
+def _reduce_ex(self: torch.nn.Module, protocol: int):
+    return _rebuilt, (type(self).__mro__[1], type(self).forward), self.__dict__
+
+
+def _rebuilt(cls: type, forward) -> torch.nn.Module:
+    """An empty instance of ``Fused<cls>`` (pickle then restores its state)."""
+    return object.__new__(_subclass(cls, forward))
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
