@@ -88,7 +88,7 @@ def test_a_units_power_is_not_the_answer(g, v, unit, pre, wrap):
 @CASES
 @given(g=gold_int, a=other_int, b=other_int,
        form=st.sampled_from(["{a}, {b}, {g}", "({a}, {g})", "[{g}, {a}]", "{a}, {g}", "\\{{{a}, {g}\\}}",
-                             "({a}, {b}, {g})"]),
+                             "({a}, {b}, {g})", "{a} \\\\ {g}", "{a} \\& {g}", "{a} & {g}"]),
        pre=prefix, wrap=wrapper)
 def test_a_list_or_tuple_containing_the_gold_number_scores_0(g, a, b, form, pre, wrap):
     assert_score(completion(pre, wrap, form.format(a=a, b=b, g=g)), str(g), 0.0)
@@ -129,7 +129,8 @@ def test_a_chain_of_working_ending_in_the_gold_scores_1(g, k, pre, wrap, form):
                              "$\\boxed{{{a}}}$ or $\\boxed{{{g}}}$", "the answer is {a} and {g}",
                              "\\boxed{{{a} \\lor {g}}}", "\\boxed{{{g} \\vee {a}}}", "\\boxed{{{a} | {g}}}",
                              "The answer is ${g} \\mid {a}$.", "\\boxed{{{g} \\text{{ (or {a})}}}}",
-                             "The answer is {g} (or {a})."]))
+                             "The answer is {g} (or {a}).", "\\boxed{{{g}}} or {a}", "The answer is {g} (or maybe {a}).",
+                             "\\boxed{{{g}}} (or perhaps {a})", "so perhaps {g} or {a}"]))
 def test_a_hedge_between_two_values_scores_0(g, a, pre, form):
     if a == g:
         return

@@ -65,7 +65,9 @@ _TEXT_MARKER_RE = re.compile(
     r"|\bthe\s+(?:final\s+)?answer\s+(?:is|was|would\s+be|will\s+be)\b\s*:?"
     r"|^[\s*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
 # A hedge joins two expressions into one compound answer ("6 or 7", "6 and 7", "1, 2, 7").
-_CONNECTORS = {"or", "and", "either", "between"}
+_CONNECTORS = {"or", "and", "either", "between", "maybe", "perhaps", "possibly"}
+# After a box, a hedge and another value: "\boxed{2} or 3", "\boxed{2} (or maybe 3)".
+_HEDGE_AFTER_RE = re.compile(r"\s*\(?\s*(?:or|either)\s+(?:(?:maybe|perhaps|possibly)\s+)?\$?\s*(-?\d[\d.,/]*)", re.I)
 # A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
 # holding one equals only another holding one, or a single answer equal to all its alternatives.
 _LOGIC_OR = r"\\(?:lor|vee)(?![A-Za-z])"
@@ -265,8 +267,9 @@ def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
     def is_value(j: int) -> bool:
         return 0 <= j < len(segs) and segs[j][0] == "math" and _has_value(segs[j][1])
 
-    def is_connector(j: int) -> bool:
-        return 0 <= j < len(segs) and segs[j][0] == "word" and segs[j][1] in _CONNECTORS
+    def is_connector(j: int) -> bool:  # a hedge word, or the blank between two ("or maybe")
+        return 0 <= j < len(segs) and ((segs[j][0] == "word" and segs[j][1] in _CONNECTORS)
+                                       or (segs[j][0] == "math" and not segs[j][1].strip()))
 
     lo = hi = i
     while True:  # "<value> or <value>" to the left
@@ -368,10 +371,13 @@ def normalise_gold(answer: str) -> str | None:
 
 def _boxed_answer(text: str, box: re.Match) -> str | None:
     """The answer of the ``\\boxed{`` matched by ``box``; ``\\boxed{6} or \\boxed{7}`` is one hedge."""
-    content, _ = _after_box(text, box.end() - 1)
+    content, after = _after_box(text, box.end() - 1)
     if content is None:
         return None
     answer = _normalise(content, last=False, whole=True)
+    hedge = _HEDGE_AFTER_RE.match(_denoise(text[after:]))
+    if answer is not None and hedge:  # "\boxed{2} or 3": the box and the value after its hedge
+        return f"{answer} or {hedge.group(1)}"
     if answer is None:  # a boxed word answer ("\boxed{\text{Monday}}"): its text
         word = re.sub(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", content)
         return re.sub(r"\s+", " ", _denoise(word)).strip() or None
@@ -486,7 +492,7 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         if g is not None:
             if p is not None:
                 return any(numbers_equal(a, at, b, bt) for a, at in p for b, bt in g)
-            if (_CALCULATION_RE.search(pred) or _BAR_RE.search(pred)
+            if (_CALCULATION_RE.search(pred) or _BAR_RE.search(pred) or re.search(r"\\\\|&", pred)
                     or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred))):
                 return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
         elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
