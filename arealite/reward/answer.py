@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import re
-from fractions import Fraction
 
 from arealite.reward.numbers import (  # noqa: F401 - parse_number and strip_thousands_separators are re-exported
     number_candidates,

@@ -151,8 +151,9 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     model loaded with ``from_pretrained`` while the ``kernels`` package is installed,
     transformers kernelizes the layers it may swap for hub kernels (RMSNorm among them) when
     ``train()``/``eval()`` change the mode, and with no hub kernel deletes their instance
-    ``forward``. A ``deepcopy``, ``pickle`` and ``torch.save`` of the model keep the class. The projections and the weight are looked up at each call, so PEFT's LoRA
-    layers wrapped around the projections later, and FSDP's unsharded parameters, are used.
+    ``forward``. A ``deepcopy``, ``pickle`` and ``torch.save`` of the model keep the class. The
+    projections and the weight are looked up at each call, so PEFT's LoRA layers wrapped around
+    the projections later, and FSDP's unsharded parameters, are used.
     Other modules are left alone. Returns ``model``."""
     for module in model.modules():
         src = _source(type(module))
@@ -172,7 +173,10 @@ def _subclass(cls: type, forward) -> type:
 
 
 def _reduce_ex(self: torch.nn.Module, protocol: int):
-    return _rebuilt, (type(self).__mro__[1], type(self).forward), self.__dict__
+    cls = type(self)
+    if cls.__dict__.get("__reduce_ex__") is not _reduce_ex:  # a subclass made of ours: the default
+        return object.__reduce_ex__(self, protocol)
+    return _rebuilt, (cls.__mro__[1], cls.forward), self.__dict__
 
 
 def _rebuilt(cls: type, forward) -> torch.nn.Module:
