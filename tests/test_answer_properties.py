@@ -130,11 +130,24 @@ def test_a_chain_of_working_ending_in_the_gold_scores_1(g, k, pre, wrap, form):
                              "\\boxed{{{a} \\lor {g}}}", "\\boxed{{{g} \\vee {a}}}", "\\boxed{{{a} | {g}}}",
                              "The answer is ${g} \\mid {a}$.", "\\boxed{{{g} \\text{{ (or {a})}}}}",
                              "The answer is {g} (or {a}).", "\\boxed{{{g}}} or {a}", "The answer is {g} (or maybe {a}).",
-                             "\\boxed{{{g}}} (or perhaps {a})", "so perhaps {g} or {a}"]))
+                             "\\boxed{{{g}}} (or perhaps {a})", "so perhaps {g} or {a}",
+                             "\\boxed{{{a}}} (or \\boxed{{{g}}})", "\\boxed{{{a}}}\\boxed{{{g}}}", "\\boxed{{{a}}} / \\boxed{{{g}}}",
+                             "\\boxed{{{a}}} \\text{{ or }} \\boxed{{{g}}}", "\\boxed{{{a} or \\boxed{{{g}}}}}",
+                             "\\boxed{{{g}}} (maybe {a})", "\\boxed{{{g}}}, {a}.", "\\boxed{{{g}}} \\lor {a}",
+                             "\\boxed{{{g}}} OR x = {a}", "\\boxed{{{a} ∨ {g}}}", "\\boxed{{{a}，{g}}}"]))
 def test_a_hedge_between_two_values_scores_0(g, a, pre, form):
     if a == g:
         return
     assert_score(pre + form.format(a=a, g=g), str(g), 0.0)
+
+
+@CASES
+@given(g=st.integers(min_value=2, max_value=99_999), a=other_int, pre=prefix, wrap=wrapper,
+       form=st.sampled_from(["{a} \\cup {g}", "\\cancel{{{a}}} {g}", "{a} \\parallel {g}", "{a} \\to {g}",
+                             "\\color{{red}}{{{a}}} {g}", "{g}²", "{a} \\cap {g}"]))
+def test_operators_and_unicode_that_hide_a_second_value_score_0(g, a, pre, wrap, form):
+    # against a plain number, only numbers and frac/sqrt/pi expressions count; 7² is a power
+    assert_score(completion(pre, wrap, form.format(a=a, g=g)), str(g), 0.0)
 
 
 @CASES

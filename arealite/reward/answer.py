@@ -65,8 +65,23 @@ _TEXT_MARKER_RE = re.compile(
     r"|^[\s*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
 # A hedge joins two expressions into one compound answer ("6 or 7", "6 and 7", "1, 2, 7").
 _CONNECTORS = {"or", "and", "either", "between", "maybe", "perhaps", "possibly"}
-# After a box, a hedge and another value: "\boxed{2} or 3", "\boxed{2} (or maybe 3)".
-_HEDGE_AFTER_RE = re.compile(r"\s*\(?\s*(?:or|either)\s+(?:(?:maybe|perhaps|possibly)\s+)?\$?\s*(-?\d[\d.,/]*)", re.I)
+# Between an answer and another value it is hedged with, within one sentence: spaces, commas,
+# semicolons, slashes, bars, brackets, LaTeX spacing and "or" symbols, hedge words
+# ("\boxed{2} (or maybe 3)", "\boxed{2}, 3", "\boxed{3} / \boxed{2}", "\boxed{3}\boxed{2}").
+_HEDGE_WORD = r"\b(?:or|maybe|perhaps|possibly|alternatively|either)\b"
+_GAP_TOKEN = rf"[ \t,;/|()*]|\\[()]|\\(?:quad|qquad|lor|vee)(?![A-Za-z])|{_HEDGE_WORD}"
+_VALUE_AFTER_RE = re.compile(rf"(?:{_GAP_TOKEN}|[{{}}])*(?=[-+]?\d|\\(?:[dt]?frac|sqrt|boxed|fbox)(?![A-Za-z])|[A-Za-z]\s*=)", re.I)
+_GAP_BEFORE_RE = re.compile(rf"(?:{_GAP_TOKEN}|\band\b)*$", re.I)
+_TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
+# Unicode stand-ins read as their ASCII / LaTeX forms before extraction ("72，73" is a list, "7²"
+# a power, "3½" a mixed number, "72–73" a calculation, "72 ∨ 73" a hedge).
+_SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
+_VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5),
+           "⅗": (3, 5), "⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8),
+           "⅞": (7, 8)}
+_LOOKALIKE = str.maketrans({"–": "-", "—": "-", "‒": "-", "⁄": "/", "∕": "/", "∨": " \\lor ", "∧": " \\land "})
+# LaTeX commands an answer may hold and still be compared with a plain-number gold.
+_NUMBER_COMMANDS = {"frac", "dfrac", "tfrac", "sqrt", "pi", "left", "right", "cdot", "times", "div"}
 # A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
 # holding one equals only another holding one, or a single answer equal to all its alternatives.
 _LOGIC_OR = r"\\(?:lor|vee)(?![A-Za-z])"
@@ -305,6 +320,16 @@ def _after_box(text: str, start: int) -> tuple[str | None, int]:
     return text[start + 1:j], j + 1
 
 
+def _ascii_forms(text: str) -> str:
+    """Full-width ASCII forms, superscript digits (``^{...}``), vulgar fractions (``\\frac``),
+    dashes, fraction slashes, the logic symbols ∨ / ∧ and LaTeX's ``{,}`` in their ASCII or LaTeX
+    form."""
+    text = re.sub(r"[\uff01-\uff5e]", lambda m: chr(ord(m.group(0)) - 0xFEE0), text)
+    text = re.sub(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+", lambda m: "^{" + m.group(0).translate(_SUPERSCRIPT) + "}", text)
+    text = re.sub("[" + "".join(_VULGAR) + "]", lambda m: "\\frac{%d}{%d}" % _VULGAR[m.group(0)], text)
+    return text.translate(_LOOKALIKE).replace("{,}", ",")  # "1{,}000": LaTeX's thousands comma
+
+
 def extract_final_answer(text: str) -> str | None:
     """The final answer of ``text`` as one whole expression (see the module docstring), or None.
 
@@ -319,13 +344,16 @@ def extract_final_answer(text: str) -> str | None:
     """
     if not isinstance(text, str) or not text.strip():
         return None
-    text = text[-MAX_PARSE_CHARS:]
+    text = _ascii_forms(text[-MAX_PARSE_CHARS:])
     # The last marker: a box, or a textual one (its span runs to the end of the sentence).
     # Answer markers, the last first; a marker whose span holds no value ("our answer is
     # correct") gives way to the one before it, and with none the last expression answers.
     marks = sorted([*_BOX_RE.finditer(text), *_TEXT_MARKER_RE.finditer(text)], key=lambda m: -m.start())
+    boxes = [(m.start(), _after_box(text, m.end() - 1)[1]) for m in marks if m.group(0).startswith("\\")]
     for mark in marks:
         if mark.group(0).startswith("\\"):
+            if any(a < mark.start() < b for a, b in boxes):
+                continue  # "\boxed{3 or \boxed{2}}": the outer box answers
             answer = _boxed_answer(text, mark)
         else:
             span = text[mark.end():]
@@ -369,20 +397,38 @@ def normalise_gold(answer: str) -> str | None:
 
 
 def _boxed_answer(text: str, box: re.Match) -> str | None:
-    """The answer of the ``\\boxed{`` matched by ``box``; ``\\boxed{6} or \\boxed{7}`` is one hedge."""
+    """The answer of the ``\\boxed{`` matched by ``box``. A value hedged with it in the same
+    sentence makes it compound: another box after it, a value after a hedge word or symbol
+    (``\\boxed{2} or 3``, ``\\boxed{2} (maybe 3)``, ``\\boxed{2} \\lor 3``) or a value that is all
+    the rest of the sentence (``\\boxed{2}, 3.``; not "$N = \\boxed{6}$, $30N + 7 = 187$ is
+    composite"), a box before it (``\\boxed{6} or \\boxed{7}``,
+    ``\\boxed{3} / \\boxed{2}``, ``\\boxed{3}\\boxed{2}``); only punctuation that does not
+    end a sentence, LaTeX spacing and hedge words (:data:`_GAP_TOKEN`) may sit between them. A
+    plain value before the box is not read: "equals $50 \\cdot 12$, or $\\boxed{600}$" is MATH's
+    "that is", not a hedge."""
     content, after = _after_box(text, box.end() - 1)
     if content is None:
         return None
     answer = _normalise(content, last=False, whole=True)
-    hedge = _HEDGE_AFTER_RE.match(_denoise(text[after:]))
-    if answer is not None and hedge:  # "\boxed{2} or 3": the box and the value after its hedge
-        return f"{answer} or {hedge.group(1)}"
     if answer is None:  # a boxed word answer ("\boxed{\text{Monday}}"): its text
-        word = re.sub(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", content)
+        word = _TEXT_WRAP_RE.sub(r"\1", content)
         return re.sub(r"\s+", " ", _denoise(word)).strip() or None
-    before = _denoise(text[:box.start()]).rstrip()
-    stem = re.sub(r"(?:,|\bor\b|\band\b)\s*$", "", before).rstrip()
-    if stem != before and stem.endswith("}"):
+    tail = _TEXT_WRAP_RE.sub(r" \1 ", _denoise(text[after:after + 300]))
+    gap = _VALUE_AFTER_RE.match(tail)
+    if gap:
+        rest = tail[gap.end():]
+        if _BOX_RE.match(rest):  # "\boxed{3} / \boxed{2}" read from the first: both
+            return f"{answer} or {_boxed_answer(rest, _BOX_RE.match(rest)) or '?'}"
+        sentence = _first_sentence(rest)
+        other = _normalise(sentence, last=False)
+        hedged = re.search(_HEDGE_WORD + r"|\\(?:lor|vee)|[|/]", gap.group(0), re.I)
+        alone = gap.group(0) and re.fullmatch(r"[-+]?\d[\d.,/]*[\s)\]}*]*", sentence.strip())
+        if other is not None and re.search(r"\d", other) and (hedged or alone):
+            return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
+    before = _TEXT_WRAP_RE.sub(r" \1 ", _denoise(text[max(0, box.start() - 300):box.start()]))
+    cut = _GAP_BEFORE_RE.search(before)
+    stem = before[:cut.start()].rstrip()
+    if stem.endswith("}"):
         prev = None
         for m in _BOX_RE.finditer(stem):
             prev = m
@@ -492,6 +538,9 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
             if p is not None:
                 return any(numbers_equal(a, at, b, bt) for a, at in p for b, bt in g)
             if (_CALCULATION_RE.search(pred) or _BAR_RE.search(pred) or re.search(r"\\\\|&", pred)
+                    or re.search(r"\d[{}]*\s+[{}]*\d", pred)  # two numbers side by side: "}{1000} 7"
+                    or set(re.findall(r"\\([a-zA-Z]+)", pred)) - _NUMBER_COMMANDS
+                    or any(ord(c) > 127 and c not in "−×·÷" for c in pred)
                     or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred))):
                 return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
         elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
