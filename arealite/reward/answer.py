@@ -349,10 +349,10 @@ def extract_final_answer(text: str) -> str | None:
     # Answer markers, the last first; a marker whose span holds no value ("our answer is
     # correct") gives way to the one before it, and with none the last expression answers.
     marks = sorted([*_BOX_RE.finditer(text), *_TEXT_MARKER_RE.finditer(text)], key=lambda m: -m.start())
-    boxes = [(m.start(), _after_box(text, m.end() - 1)[1]) for m in marks if m.group(0).startswith("\\")]
+    nested = _nested_boxes(text, [m for m in marks if m.group(0).startswith("\\")])
     for mark in marks:
         if mark.group(0).startswith("\\"):
-            if any(a < mark.start() < b for a, b in boxes):
+            if mark.start() in nested:
                 continue  # "\boxed{3 or \boxed{2}}": the outer box answers
             answer = _boxed_answer(text, mark)
         else:
@@ -367,6 +367,22 @@ def extract_final_answer(text: str) -> str | None:
         if answer is not None:
             return answer
     return _normalise(text, last=True)
+
+
+def _nested_boxes(text: str, boxes: list[re.Match]) -> set[int]:
+    """Start offsets of the ``boxes`` that open inside another box's braces (one pass)."""
+    opening = {m.end() - 1 for m in boxes}
+    starts = {m.start() for m in boxes}
+    stack: list[bool] = []  # open braces: True for a box's own
+    nested: set[int] = set()
+    for i, c in enumerate(text):
+        if i in starts and any(stack):
+            nested.add(i)
+        if c == "{" and (i == 0 or text[i - 1] != "\\"):
+            stack.append(i in opening)
+        elif c == "}" and (i == 0 or text[i - 1] != "\\") and stack:
+            stack.pop()
+    return nested
 
 
 def _first_sentence(span: str) -> str:
@@ -409,6 +425,11 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
     content, after = _after_box(text, box.end() - 1)
     if content is None:
         return None
+    while (inner := _BOX_RE.search(content)) is not None:  # "\boxed{\boxed{2}}": the boxes' content
+        j = _matching_brace(content, inner.end() - 1)
+        if j < 0:
+            break
+        content = content[:inner.start()] + content[inner.end():j] + content[j + 1:]
     answer = _normalise(content, last=False, whole=True)
     if answer is None:  # a boxed word answer ("\boxed{\text{Monday}}"): its text
         word = _TEXT_WRAP_RE.sub(r"\1", content)
