@@ -205,7 +205,9 @@ def test_working_on_one_unknown_is_no_list(text, gold):
     ("when $N = \\boxed{6}$, $30N + 7 = 187 = 11 \\cdot 17$ is composite.", "6"),
     ("$=\\boxed{25}\\frac{\\text{miles}}{\\text{day}}$", "25"), ("\\boxed{12}, 3 more than before.", "12"),
     ("\\boxed{12} (since 3 + 9 = 12)", "12"), ("\\boxed{3} (3 apples)", "3"), ("\\boxed{5}\n\n2. Next", "5"),
-    ("\\boxed{1{,}000}", "1000"), ("\\boxed{7²}", "49"), ("\\boxed{3½}", "3\\frac{1}{2}"), ("\\boxed{\\sqrt{49}}", "7")])
+    ("\\boxed{1{,}000}", "1000"), ("\\boxed{7²}", "49"), ("\\boxed{3½}", "3\\frac{1}{2}"), ("\\boxed{\\sqrt{49}}", "7"),
+    ("\\boxed{\\mathbf{18}}", "18"), ("\\boxed{\\bf 18}", "18"), ("\\boxed{\\large 18}", "18"),
+    ("\\boxed{\\color{blue}18}", "18"), ("\\boxed{\\mathbf{-3}}", "-3"), ("\\boxed{\\boxed{2}}", "2")])
 def test_explanations_around_a_box_and_unicode_forms_keep_the_answer(text, gold):
     assert math_reward(text, gold) == 1.0
 

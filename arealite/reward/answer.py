@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import re
 
+from arealite.reward.forms import ascii_forms
 from arealite.reward.numbers import (  # noqa: F401 - parse_number and strip_thousands_separators are re-exported
     number_candidates,
     number_tuple,
@@ -73,13 +74,6 @@ _GAP_TOKEN = rf"[ \t,;/|()*]|\\[()]|\\(?:quad|qquad|lor|vee)(?![A-Za-z])|{_HEDGE
 _VALUE_AFTER_RE = re.compile(rf"(?:{_GAP_TOKEN}|[{{}}])*(?=[-+]?\d|\\(?:[dt]?frac|sqrt|boxed|fbox)(?![A-Za-z])|[A-Za-z]\s*=)", re.I)
 _GAP_BEFORE_RE = re.compile(rf"(?:{_GAP_TOKEN}|\band\b)*$", re.I)
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
-# Unicode stand-ins read as their ASCII / LaTeX forms before extraction ("72，73" is a list, "7²"
-# a power, "3½" a mixed number, "72–73" a calculation, "72 ∨ 73" a hedge).
-_SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
-_VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5),
-           "⅗": (3, 5), "⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8),
-           "⅞": (7, 8)}
-_LOOKALIKE = str.maketrans({"–": "-", "—": "-", "‒": "-", "⁄": "/", "∕": "/", "∨": " \\lor ", "∧": " \\land "})
 # LaTeX commands an answer may hold and still be compared with a plain-number gold.
 _NUMBER_COMMANDS = {"frac", "dfrac", "tfrac", "sqrt", "pi", "left", "right", "cdot", "times", "div"}
 # A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
@@ -320,16 +314,6 @@ def _after_box(text: str, start: int) -> tuple[str | None, int]:
     return text[start + 1:j], j + 1
 
 
-def _ascii_forms(text: str) -> str:
-    """Full-width ASCII forms, superscript digits (``^{...}``), vulgar fractions (``\\frac``),
-    dashes, fraction slashes, the logic symbols ∨ / ∧ and LaTeX's ``{,}`` in their ASCII or LaTeX
-    form."""
-    text = re.sub(r"[\uff01-\uff5e]", lambda m: chr(ord(m.group(0)) - 0xFEE0), text)
-    text = re.sub(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+", lambda m: "^{" + m.group(0).translate(_SUPERSCRIPT) + "}", text)
-    text = re.sub("[" + "".join(_VULGAR) + "]", lambda m: "\\frac{%d}{%d}" % _VULGAR[m.group(0)], text)
-    return text.translate(_LOOKALIKE).replace("{,}", ",")  # "1{,}000": LaTeX's thousands comma
-
-
 def extract_final_answer(text: str) -> str | None:
     """The final answer of ``text`` as one whole expression (see the module docstring), or None.
 
@@ -344,7 +328,7 @@ def extract_final_answer(text: str) -> str | None:
     """
     if not isinstance(text, str) or not text.strip():
         return None
-    text = _ascii_forms(text[-MAX_PARSE_CHARS:])
+    text = ascii_forms(text[-MAX_PARSE_CHARS:])
     # The last marker: a box, or a textual one (its span runs to the end of the sentence).
     # Answer markers, the last first; a marker whose span holds no value ("our answer is
     # correct") gives way to the one before it, and with none the last expression answers.
