@@ -355,6 +355,8 @@ def extract_final_answer(text: str) -> str | None:
 
 def _nested_boxes(text: str, boxes: list[re.Match]) -> set[int]:
     """Start offsets of the ``boxes`` that open inside another box's braces (one pass)."""
+    if len(boxes) < 2:
+        return set()
     opening = {m.end() - 1 for m in boxes}
     starts = {m.start() for m in boxes}
     stack: list[bool] = []  # open braces: True for a box's own
