@@ -39,6 +39,7 @@ import logging
 import re
 
 from arealite.reward.forms import ascii_forms
+from arealite.reward.latex import matching_brace, nested_boxes, top_level
 from arealite.reward.numbers import (  # noqa: F401 - parse_number and strip_thousands_separators are re-exported
     number_candidates,
     number_tuple,
@@ -74,8 +75,14 @@ _GAP_TOKEN = rf"[ \t,;/|()*]|\\[()]|\\(?:quad|qquad|lor|vee)(?![A-Za-z])|{_HEDGE
 _VALUE_AFTER_RE = re.compile(rf"(?:{_GAP_TOKEN}|[{{}}])*(?=[-+]?\d|\\(?:[dt]?frac|sqrt|boxed|fbox)(?![A-Za-z])|[A-Za-z]\s*=)", re.I)
 _GAP_BEFORE_RE = re.compile(rf"(?:{_GAP_TOKEN}|\band\b)*$", re.I)
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
-# LaTeX commands an answer may hold and still be compared with a plain-number gold.
-_NUMBER_COMMANDS = {"frac", "dfrac", "tfrac", "sqrt", "pi", "left", "right", "cdot", "times", "div"}
+# LaTeX commands that join two values into something that is not one number ("1000 \cup 7",
+# "3 \to 2", "\cancel{1000} 7"): against a plain-number gold, an answer with two numbers and one
+# of them is no answer.
+_JOINING_COMMANDS = {"cup", "cap", "setminus", "to", "rightarrow", "Rightarrow", "leftarrow", "Leftarrow",
+                     "mapsto", "implies", "iff", "parallel", "perp", "land", "wedge", "sim", "simeq", "ne", "neq",
+                     "le", "leq", "ge", "geq", "lt", "gt", "pm", "mp", "oplus", "otimes", "atop", "choose", "tag",
+                     "cancel", "bcancel", "xcancel", "sout", "not", "ldots", "cdots", "dots", "vdots", "therefore",
+                     "because", "longrightarrow", "Longrightarrow", "leftrightarrow", "Leftrightarrow", "vee", "lor"}
 # A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
 # holding one equals only another holding one, or a single answer equal to all its alternatives.
 _LOGIC_OR = r"\\(?:lor|vee)(?![A-Za-z])"
@@ -109,20 +116,6 @@ def _denoise(text: str) -> str:
     return _NOISE_RE.sub(lambda m: m.group(0) if m.group("keep") else " ", text)
 
 
-def _matching_brace(text: str, i: int) -> int:
-    """Index of the ``}`` closing the ``{`` at ``text[i]``, or -1."""
-    depth = 0
-    for j in range(i, len(text)):
-        c = text[j]
-        if c == "{" and (j == 0 or text[j - 1] != "\\"):
-            depth += 1
-        elif c == "}" and (j == 0 or text[j - 1] != "\\"):
-            depth -= 1
-            if depth == 0:
-                return j
-    return -1
-
-
 def _segments(text: str) -> list[tuple[str, str]]:
     """Split ``text`` into ``("math", s)`` runs and ``("word", w)`` / ``("stop", c)`` separators.
 
@@ -143,7 +136,7 @@ def _segments(text: str) -> list[tuple[str, str]]:
         kind, tok = m.lastgroup, m.group(0)
         pos = m.end()
         if kind == "text" and re.fullmatch(r"[\s,;]*", tok[tok.index("{") + 1:-1]):
-            cur.append(tok[tok.index("{") + 1:-1] or " ")  # "\text{, }", "\text{ }": the math's punctuation
+            cur.append(tok[tok.index("{") + 1:-1] + "  ")  # "\text{, }", "\text{ }": the math's punctuation, a wide space
         elif kind in ("text", "word"):
             flush()
             word = tok[tok.index("{") + 1:-1].strip().lower() if kind == "text" else tok.lower()
@@ -168,25 +161,17 @@ def _has_value(run: str) -> bool:
 # (x, x_1, x_{12}, x', x^{(2)}, \theta_1); group 1 is the letter, shared by x_1 and x_2.
 _GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|xi|"
           "pi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega")
-_NAME = rf"([A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\)\}})?"
-# A named unknown before its "=" (or aligned "&="): at the start, after a separator (space,
-# comma, semicolon, bar, tilde, "&", "$") or after a LaTeX row break "\\".
-_NAMED_EQ_RE = re.compile(rf"(?:^|(?<=[\s,;|&~$])|(?<=\\\\)){_NAME}\s*&?\s*=(?!=)")
+_NAME = rf"((?:[A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\)\}})?)"
+# A named unknown before its "=" (or aligned "&="); :func:`_named_equations` keeps those that
+# start an equation (at the start, or after a separator, a row break or a LaTeX command).
+_NAMED_EQ_RE = re.compile(rf"{_NAME}\s*&?\s*=(?!=)")
+_EQ_START_RE = re.compile(r"(?:^|[,;|&~$]|\\\\|\\[A-Za-z]+)$")
 # What may trail a listed value before the next "x =": separators, bars, LaTeX spaces, "and".
 _LIST_TAIL_RE = re.compile(r"(?:[\s,;|&~$]|\\[\\&]|\\(?:mid|vert|lvert|rvert|quad|qquad)(?![A-Za-z])"
                            r"|\\(?:text|mbox|textrm|mathrm)\s*\{[\s,;]*(?:and)?[\s,;]*\})+$")
 # Working between two equations: a chain, not a list ("x = 10/2 \implies x = 5").
 _WORKING_RE = re.compile(r"\\(?:implies|impliedby|iff|Rightarrow|Longrightarrow|rightarrow|longrightarrow|to|"
                          r"therefore|because|Leftrightarrow)(?![A-Za-z])")
-
-
-def _top_level(s: str, pattern: re.Pattern) -> list[re.Match]:
-    """The matches of ``pattern`` in ``s`` outside any bracket pair."""
-    depth, depths = 0, []
-    for c in s:
-        depths.append(depth)
-        depth += (c in "([{") - (c in ")]}")
-    return [m for m in pattern.finditer(s) if depths[m.start()] == 0]
 
 
 def _same_value(a: str, b: str) -> bool:
@@ -202,36 +187,59 @@ def _same_value(a: str, b: str) -> bool:
         return False
 
 
+def _named_equations(s: str) -> list[re.Match]:
+    """The top-level ``<name> =`` of ``s`` that begin an equation: ``x = 1, x = 2`` and
+    ``x = 1 \\; x = 2`` (LaTeX spacing leaves two or more spaces) have two; ``a + b = 8``,
+    ``p q = 6`` and ``3 n = 12`` have none (their left-hand side is more than a name)."""
+    starts = []
+    for m in top_level(s, _NAMED_EQ_RE):
+        before = s[max(0, m.start() - 30):m.start()]
+        if _EQ_START_RE.search(before.rstrip()) or before.endswith("  "):  # a separator, or a wide space
+            starts.append(m)
+    return starts
+
+
 def _listed_values(s: str) -> list[str] | None:
-    """The values of the unknown named last in ``s`` when ``s`` names it before two or more
-    top-level ``=`` (``x = 1, x = 2``, ``x_1 = 1 \\quad x_2 = 2``, ``x = 1 \\mid x = 2``,
-    ``\\theta = 30, \\theta = 150``, ``y = 0, x = 1, x = 2``), each value followed only by
-    separators (:data:`_LIST_TAIL_RE`): the distinct values in order — a list — or, when all are
-    the same value, the last alone: working on one unknown (``x = 10/2, x = 5`` is 5). None
-    otherwise: the unknown named once (``x^2 = 25, x = 5``, ``2x = 10, x = 5``, ``a = 1, b = 2``),
-    working between the equations (``x = 10/2 \\implies x = 5``), an empty value, or a value
-    holding the unknown (``x = 1, x = 2x - 1``)."""
-    names = _top_level(s, _NAMED_EQ_RE)
+    """The values of the unknown named last in ``s`` when ``s`` names it (the same name, subscript
+    included) before two or more top-level ``=`` (``x = 1, x = 2``, ``x = 1 \\quad x = 2``,
+    ``x = 1 \\mid x = 2``, ``\\theta = 30, \\theta = 150``, ``y = 0, x = 1, x = 2``), each value
+    followed only by separators (:data:`_LIST_TAIL_RE`): the distinct values in order — a list —
+    or, when all are the same value, the last alone (``x = 10/2, x = 5`` is 5). None otherwise:
+    the name given once (``x^2 = 25, x = 5``, ``a = 1, b = 2``; ``x_1 = 1, x_2 = 2`` and a
+    sequence ``S_1 = 1, S_2 = 3`` too), working in a value (``b = 100 - 20 = 80, b = 80 - 30 =
+    50``, ``x = 10/2 \\implies x = 5``), an empty or long value, or a value holding the unknown
+    (``x = 1, x = 2x - 1``)."""
+    names = _named_equations(s)
     if len(names) < 2:
         return None
-    letter = names[-1].group(1)
+    name = names[-1].group(1)
+    letter = re.match(r"\\[A-Za-z]+|[A-Za-z]", name).group(0)
     values = []
     for m, nxt in zip(names, names[1:] + [None]):
-        if m.group(1) != letter:
+        if m.group(1) != name:
             continue
         raw = s[m.end():nxt.start() if nxt else len(s)]
+        if len(raw) > 200:
+            return None
         value = _LIST_TAIL_RE.sub("", raw).strip() if nxt else raw.strip()
-        if (not value or _WORKING_RE.search(value)
+        if (not value or _WORKING_RE.search(value) or "=" in value
                 or re.search(rf"(?<![A-Za-z\\]){re.escape(letter)}(?![A-Za-z])", value)):
             return None
         values.append(_clean_run(value))
     if len(values) < 2:
         return None
     distinct: list[str] = []
+    same = _same_value if len(values) <= 6 else _same_text  # math-verify for a few values only
     for v in values:
-        if not any(_same_value(v, d) for d in distinct):
+        if not any(same(v, d) for d in distinct):
             distinct.append(v)
     return distinct if len(distinct) > 1 else values[-1:]
+
+
+def _same_text(a: str, b: str) -> bool:
+    """Equal text (spaces aside) or equal plain numbers."""
+    x, y = number_candidates(a), number_candidates(b)
+    return a.replace(" ", "") == b.replace(" ", "") or bool(x and y and x[0][0] == y[0][0])
 
 
 def _clean_run(run: str) -> str:
@@ -308,7 +316,7 @@ def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
 
 def _after_box(text: str, start: int) -> tuple[str | None, int]:
     """The content of the ``\\boxed{`` whose brace is at ``start`` and the index after it."""
-    j = _matching_brace(text, start)
+    j = matching_brace(text, start)
     if j < 0:
         return None, len(text)
     return text[start + 1:j], j + 1
@@ -333,7 +341,7 @@ def extract_final_answer(text: str) -> str | None:
     # Answer markers, the last first; a marker whose span holds no value ("our answer is
     # correct") gives way to the one before it, and with none the last expression answers.
     marks = sorted([*_BOX_RE.finditer(text), *_TEXT_MARKER_RE.finditer(text)], key=lambda m: -m.start())
-    nested = _nested_boxes(text, [m for m in marks if m.group(0).startswith("\\")])
+    nested = nested_boxes(text, [m for m in marks if m.group(0).startswith("\\")])
     for mark in marks:
         if mark.group(0).startswith("\\"):
             if mark.start() in nested:
@@ -353,37 +361,19 @@ def extract_final_answer(text: str) -> str | None:
     return _normalise(text, last=True)
 
 
-def _nested_boxes(text: str, boxes: list[re.Match]) -> set[int]:
-    """Start offsets of the ``boxes`` that open inside another box's braces (one pass)."""
-    if len(boxes) < 2:
-        return set()
-    opening = {m.end() - 1 for m in boxes}
-    starts = {m.start() for m in boxes}
-    stack: list[bool] = []  # open braces: True for a box's own
-    nested: set[int] = set()
-    for i, c in enumerate(text):
-        if i in starts and any(stack):
-            nested.add(i)
-        if c == "{" and (i == 0 or text[i - 1] != "\\"):
-            stack.append(i in opening)
-        elif c == "}" and (i == 0 or text[i - 1] != "\\") and stack:
-            stack.pop()
-    return nested
-
-
 def _first_sentence(span: str) -> str:
     """``span`` up to its first sentence end outside ``$...$`` / ``$$...$$`` / ``\\(...\\)``
     (an escaped ``\\$`` is currency, not math): a newline, ``.!?`` before a space, a ``.`` not in
     a number, a ``;`` — unless the unknown named before the ``;`` is named again right after it
     ("is x = 1; x = 2." and "is $x = 1$; $x = 2$." list two values; "is 12; x = 3 was the
     width" and "is x = 4; y = 5" end at the ``;``)."""
-    masked = re.sub(r"(?<!\\)\$\$.*?(?<!\\)\$\$|(?<!\\)\$(?:[^$\n\\]|\\.)*(?<!\\)\$|\\\((?:.|\n)*?\\\)",
+    masked = re.sub(r"(?<!\\)\$\$.*?(?<!\\)\$\$|(?<!\\)\$(?=\S)(?:[^$\n\\]|\\.)*(?<![\s\\])\$|\\\((?:.|\n)*?\\\)",
                     lambda m: "_" * len(m.group(0)), span, flags=re.S)
     for end in re.finditer(r"\n|[.!?](?=\s|$)|;|(?<!\d)\.(?!\d)", masked):
         if end.group(0) == ";":
-            after = _NAMED_EQ_RE.match(re.sub(r"^[\s;,$]*", "", span[end.end():]))
-            before = _NAMED_EQ_RE.findall(span[:end.start()])
-            if after and before and before[-1] == after.group(1):
+            after = _NAMED_EQ_RE.match(re.sub(r"^[\s;,$]*", "", span[end.end():end.end() + 100]))
+            before = _named_equations(span[max(0, end.start() - 100):end.start()])
+            if after and before and before[-1].group(1) == after.group(1):
                 continue
         return span[:end.start()]
     return span
@@ -400,10 +390,11 @@ def normalise_gold(answer: str) -> str | None:
 
 def _boxed_answer(text: str, box: re.Match) -> str | None:
     """The answer of the ``\\boxed{`` matched by ``box``. A value hedged with it in the same
-    sentence makes it compound: another box after it, a value after a hedge word or symbol
-    (``\\boxed{2} or 3``, ``\\boxed{2} (maybe 3)``, ``\\boxed{2} \\lor 3``) or a value that is all
-    the rest of the sentence (``\\boxed{2}, 3.``; not "$N = \\boxed{6}$, $30N + 7 = 187$ is
-    composite"), a box before it (``\\boxed{6} or \\boxed{7}``,
+    sentence makes it compound: another box after it, or a value after a hedge word or symbol
+    or a list separator when no word follows in the sentence (``\\boxed{2} or 3``,
+    ``\\boxed{2} (maybe 3)``, ``\\boxed{2} \\lor 3``, ``\\boxed{2}, 3.``; not "\\boxed{7} (or 420
+    minutes)", "\\boxed{70} / 100 points" or "$N = \\boxed{6}$, $30N + 7 = 187$ is composite"),
+    a box before it (``\\boxed{6} or \\boxed{7}``,
     ``\\boxed{3} / \\boxed{2}``, ``\\boxed{3}\\boxed{2}``); only punctuation that does not
     end a sentence, LaTeX spacing and hedge words (:data:`_GAP_TOKEN`) may sit between them. A
     plain value before the box is not read: "equals $50 \\cdot 12$, or $\\boxed{600}$" is MATH's
@@ -411,8 +402,11 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
     content, after = _after_box(text, box.end() - 1)
     if content is None:
         return None
-    while (inner := _BOX_RE.search(content)) is not None:  # "\boxed{\boxed{2}}": the boxes' content
-        j = _matching_brace(content, inner.end() - 1)
+    for _ in range(8):  # "\boxed{\boxed{2}}": the boxes' content (a few levels)
+        inner = _BOX_RE.search(content)
+        if inner is None:
+            break
+        j = matching_brace(content, inner.end() - 1)
         if j < 0:
             break
         content = content[:inner.start()] + content[inner.end():j] + content[j + 1:]
@@ -428,9 +422,10 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
             return f"{answer} or {_boxed_answer(rest, _BOX_RE.match(rest)) or '?'}"
         sentence = _first_sentence(rest)
         other = _normalise(sentence, last=False)
-        hedged = re.search(_HEDGE_WORD + r"|\\(?:lor|vee)|[|/]", gap.group(0), re.I)
-        alone = gap.group(0) and re.fullmatch(r"[-+]?\d[\d.,/]*[\s)\]}*]*", sentence.strip())
-        if other is not None and re.search(r"\d", other) and (hedged or alone):
+        hedged = re.search(_HEDGE_WORD + r"|\\(?:lor|vee)|\|", gap.group(0), re.I)
+        listed = re.search(r"[,;|]", gap.group(0))
+        alone = not re.search(r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", "", sentence))  # no unit, no words
+        if other is not None and re.search(r"\d", other) and (hedged or listed) and alone:
             return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
     before = _TEXT_WRAP_RE.sub(r" \1 ", _denoise(text[max(0, box.start() - 300):box.start()]))
     cut = _GAP_BEFORE_RE.search(before)
@@ -439,7 +434,7 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         prev = None
         for m in _BOX_RE.finditer(stem):
             prev = m
-        if prev is not None and _matching_brace(stem, prev.end() - 1) == len(stem) - 1:
+        if prev is not None and matching_brace(stem, prev.end() - 1) == len(stem) - 1:
             first = _normalise(stem[prev.end():-1], last=False, whole=True)
             if first is not None:
                 return f"{first} or {answer}"  # two boxes joined by a hedge
@@ -456,7 +451,7 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     text = _TEXT_HEDGE_RE.sub(r" \1 ", text)  # "1.5 \text{ (or 2)}" -> "1.5 (or 2)": a hedge, not a unit
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", text)  # \frac12
-    text = re.sub(r"\s*\\%", "%", text)
+    text = re.sub(r"(?<=\S)\s+(?=\\%)", "", text).replace("\\%", "%")  # "50 \\%" (linear on long blanks)
     text = re.sub(r"(\d)\s*(?:percent|per\s+cent)\b", r"\1%", text)
     segs = _segments(text)
     values = [i for i, (k, v) in enumerate(segs) if k == "math" and _has_value(v)]
@@ -546,8 +541,9 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
                 return any(numbers_equal(a, at, b, bt) for a, at in p for b, bt in g)
             if (_CALCULATION_RE.search(pred) or _BAR_RE.search(pred) or re.search(r"\\\\|&", pred)
                     or re.search(r"\d[{}]*\s+[{}]*\d", pred)  # two numbers side by side: "}{1000} 7"
-                    or set(re.findall(r"\\([a-zA-Z]+)", pred)) - _NUMBER_COMMANDS
-                    or any(ord(c) > 127 and c not in "−×·÷" for c in pred)
+                    or (len(re.findall(r"\d+", pred)) > 1  # two values joined by an operator or a stand-in
+                        and (set(re.findall(r"\\([a-zA-Z]+)", pred)) & _JOINING_COMMANDS
+                             or any(ord(c) > 127 and c not in "−×·÷" for c in pred)))
                     or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred))):
                 return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
         elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
