@@ -134,7 +134,11 @@ def test_a_chain_of_working_ending_in_the_gold_scores_1(g, k, pre, wrap, form):
                              "\\boxed{{{a}}} (or \\boxed{{{g}}})", "\\boxed{{{a}}}\\boxed{{{g}}}", "\\boxed{{{a}}} / \\boxed{{{g}}}",
                              "\\boxed{{{a}}} \\text{{ or }} \\boxed{{{g}}}", "\\boxed{{{a} or \\boxed{{{g}}}}}",
                              "\\boxed{{{g}}} (maybe {a})", "\\boxed{{{g}}}, {a}.", "\\boxed{{{g}}} \\lor {a}",
-                             "\\boxed{{{g}}} OR x = {a}", "\\boxed{{{a} ∨ {g}}}", "\\boxed{{{a}，{g}}}"]))
+                             "\\boxed{{{g}}} OR x = {a}", "\\boxed{{{a} ∨ {g}}}", "\\boxed{{{a}，{g}}}",
+                             "\\boxed{{{g}}}, although it could be {a}", "\\boxed{{{g}}}. But it might also be {a}.",
+                             "\\boxed{{{g}}}. Or maybe {a}.", "$\\boxed{{{g}}}$, though the answer may be ${a}$.",
+                             "Answer: {a} or \\boxed{{{g}}}", "So $x = {a}$ or $\\boxed{{{g}}}$",
+                             "\\boxed{{x_1 = {a}, x_2 = {g}}}", "\\boxed{{x_{{1}} = {g} \\quad x_{{2}} = {a}}}"]))
 def test_a_hedge_between_two_values_scores_0(g, a, pre, form):
     if a == g:
         return
@@ -148,6 +152,21 @@ def test_a_hedge_between_two_values_scores_0(g, a, pre, form):
 def test_operators_and_unicode_that_hide_a_second_value_score_0(g, a, pre, wrap, form):
     # against a plain number, only numbers and frac/sqrt/pi expressions count; 7² is a power
     assert_score(completion(pre, wrap, form.format(a=a, g=g)), str(g), 0.0)
+
+
+@CASES
+@given(g=st.integers(min_value=2, max_value=999), k=st.integers(min_value=2, max_value=9), pre=prefix,
+       form=st.sampled_from(["which equals ${k} \\cdot {q}$, or $\\boxed{{{g}}}$.", "\\boxed{{{g}}} (or {g60} minutes)",
+                             "$\\frac{{{kg}}}{{{k}}}$, or $\\boxed{{{g}}}$", "\\boxed{{{g}}}, although it could be {g}.0",
+                             "${g}$ hours, or $\\boxed{{{g60}}}$ minutes", "\\boxed{{{g}}}. Each of the {k} boxes could be full.",
+                             "\\boxed{{x_1 = {g}, x_2 = {g}}}", "\\boxed{{x_1 = {k}, y_1 = {g}}}",
+                             "The area is half of ${kg}$, or $\\boxed{{{g}}}$.", "$7 - {k}$, or $\\boxed{{{g}}}$",
+                             "Only $\\boxed{{{g}}}$ leaves a remainder of 1 when divided by 2, 3, or {k}."]))
+def test_a_restatement_beside_the_box_is_no_hedge(g, k, pre, form):
+    # MATH's "or" often means "that is": the same value again, or the value in another unit
+    expr = form.format(g=g, k=k, q=Fraction(g, k), kg=k * g, g60=60 * g)
+    gold = str(60 * g) if "hours" in form else str(g)
+    assert_score(pre + expr, gold, 1.0)
 
 
 @CASES

@@ -11,9 +11,11 @@ answer: / final answer is" — so a self-corrected solution ("\\boxed{5} ... wai
 percentage, and the right-hand side of a last ``=`` (``48+24 = 72`` answers 72). Around a number,
 currency signs, ``\\text{...}`` and unit words — with their powers (``5 cm^2`` answers 5) — are
 dropped; anywhere else a word ends the answer. Two expressions joined by a hedge ("6 or 7",
-"either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7") are one compound
-answer, equal to no single value. A list of solutions of one unknown (``x = 1, x = 2``,
-``x = 1 \\mid x = 2``, ``x_1 = 1 \\quad x_2 = 2``) answers the list of its distinct values
+"either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7"), and a box with a
+value offered in words beside it ("\\boxed{2}, although it could be 3", "\\boxed{2}. Or maybe 3.",
+"Answer: 3 or \\boxed{2}") are one compound answer, equal to no single value. A list of
+solutions of one unknown (``x = 1, x = 2``, ``x = 1 \\mid x = 2``, and in a box indexed names
+``x_1 = 1, x_2 = 2``) answers the list of its distinct values
 (``1, 2``), equal to no single one of them; working (``x = 10/2, x = 5``, ``x^2 = 25, x = 5``)
 answers its last right-hand side.
 
@@ -39,13 +41,20 @@ import logging
 import re
 
 from arealite.reward.forms import ascii_forms
-from arealite.reward.latex import matching_brace, nested_boxes, top_level
+from arealite.reward.latex import matching_brace, nested_boxes
 from arealite.reward.numbers import (  # noqa: F401 - parse_number and strip_thousands_separators are re-exported
     number_candidates,
     number_tuple,
     numbers_equal,
     parse_number,
     strip_thousands_separators,
+)
+from arealite.reward.sentences import (
+    first_sentence,
+    hedged_value_after,
+    hedged_value_before,
+    named_equations,
+    unindexed_list,
 )
 
 # math_verify warns on every call that its signal timeouts are disabled: our worker enforces one.
@@ -157,15 +166,6 @@ def _has_value(run: str) -> bool:
     return bool(re.search(r"\d|\\(?:frac|dfrac|tfrac|sqrt|pi|infty|emptyset)", run))
 
 
-# An unknown's name: a letter or a Greek letter, then primes, a subscript or a bracketed index
-# (x, x_1, x_{12}, x', x^{(2)}, \theta_1); group 1 is the letter, shared by x_1 and x_2.
-_GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|xi|"
-          "pi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega")
-_NAME = rf"((?:[A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\)\}})?)"
-# A named unknown before its "=" (or aligned "&="); :func:`_named_equations` keeps those that
-# start an equation (at the start, or after a separator, a row break or a LaTeX command).
-_NAMED_EQ_RE = re.compile(rf"{_NAME}\s*&?\s*=(?!=)")
-_EQ_START_RE = re.compile(r"(?:^|[,;|&~$]|\\\\|\\[A-Za-z]+)$")
 # What may trail a listed value before the next "x =": separators, bars, LaTeX spaces, "and".
 _LIST_TAIL_RE = re.compile(r"(?:[\s,;|&~$]|\\[\\&]|\\(?:mid|vert|lvert|rvert|quad|qquad)(?![A-Za-z])"
                            r"|\\(?:text|mbox|textrm|mathrm)\s*\{[\s,;]*(?:and)?[\s,;]*\})+$")
@@ -187,18 +187,6 @@ def _same_value(a: str, b: str) -> bool:
         return False
 
 
-def _named_equations(s: str) -> list[re.Match]:
-    """The top-level ``<name> =`` of ``s`` that begin an equation: ``x = 1, x = 2`` and
-    ``x = 1 \\; x = 2`` (LaTeX spacing leaves two or more spaces) have two; ``a + b = 8``,
-    ``p q = 6`` and ``3 n = 12`` have none (their left-hand side is more than a name)."""
-    starts = []
-    for m in top_level(s, _NAMED_EQ_RE):
-        before = s[max(0, m.start() - 30):m.start()]
-        if _EQ_START_RE.search(before.rstrip()) or before.endswith("  "):  # a separator, or a wide space
-            starts.append(m)
-    return starts
-
-
 def _listed_values(s: str) -> list[str] | None:
     """The values of the unknown named last in ``s`` when ``s`` names it (the same name, subscript
     included) before two or more top-level ``=`` (``x = 1, x = 2``, ``x = 1 \\quad x = 2``,
@@ -206,10 +194,10 @@ def _listed_values(s: str) -> list[str] | None:
     followed only by separators (:data:`_LIST_TAIL_RE`): the distinct values in order — a list —
     or, when all are the same value, the last alone (``x = 10/2, x = 5`` is 5). None otherwise:
     the name given once (``x^2 = 25, x = 5``, ``a = 1, b = 2``; ``x_1 = 1, x_2 = 2`` and a
-    sequence ``S_1 = 1, S_2 = 3`` too), working in a value (``b = 100 - 20 = 80, b = 80 - 30 =
+    sequence ``S_1 = 1, S_2 = 3`` too, unless a box holds them: :func:`unindexed_list`), working in a value (``b = 100 - 20 = 80, b = 80 - 30 =
     50``, ``x = 10/2 \\implies x = 5``), an empty or long value, or a value holding the unknown
     (``x = 1, x = 2x - 1``)."""
-    names = _named_equations(s)
+    names = named_equations(s)
     if len(names) < 2:
         return None
     name = names[-1].group(1)
@@ -354,29 +342,11 @@ def extract_final_answer(text: str) -> str | None:
             if mark.group(0) == "####":
                 span = span.split("\n", 1)[0]
             else:
-                span = _first_sentence(span)
+                span = first_sentence(span)
             answer = _normalise(span, last=False)
         if answer is not None:
             return answer
     return _normalise(text, last=True)
-
-
-def _first_sentence(span: str) -> str:
-    """``span`` up to its first sentence end outside ``$...$`` / ``$$...$$`` / ``\\(...\\)``
-    (an escaped ``\\$`` is currency, not math): a newline, ``.!?`` before a space, a ``.`` not in
-    a number, a ``;`` — unless the unknown named before the ``;`` is named again right after it
-    ("is x = 1; x = 2." and "is $x = 1$; $x = 2$." list two values; "is 12; x = 3 was the
-    width" and "is x = 4; y = 5" end at the ``;``)."""
-    masked = re.sub(r"(?<!\\)\$\$.*?(?<!\\)\$\$|(?<!\\)\$(?=\S)(?:[^$\n\\]|\\.)*(?<![\s\\])\$|\\\((?:.|\n)*?\\\)",
-                    lambda m: "_" * len(m.group(0)), span, flags=re.S)
-    for end in re.finditer(r"\n|[.!?](?=\s|$)|;|(?<!\d)\.(?!\d)", masked):
-        if end.group(0) == ";":
-            after = _NAMED_EQ_RE.match(re.sub(r"^[\s;,$]*", "", span[end.end():end.end() + 100]))
-            before = _named_equations(span[max(0, end.start() - 100):end.start()])
-            if after and before and before[-1].group(1) == after.group(1):
-                continue
-        return span[:end.start()]
-    return span
 
 
 def normalise_gold(answer: str) -> str | None:
@@ -410,7 +380,7 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         if j < 0:
             break
         content = content[:inner.start()] + content[inner.end():j] + content[j + 1:]
-    answer = _normalise(content, last=False, whole=True)
+    answer = _normalise(unindexed_list(_denoise(content)), last=False, whole=True)
     if answer is None:  # a boxed word answer ("\boxed{\text{Monday}}"): its text
         word = _TEXT_WRAP_RE.sub(r"\1", content)
         return re.sub(r"\s+", " ", _denoise(word)).strip() or None
@@ -420,16 +390,23 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         rest = tail[gap.end():]
         if _BOX_RE.match(rest):  # "\boxed{3} / \boxed{2}" read from the first: both
             return f"{answer} or {_boxed_answer(rest, _BOX_RE.match(rest)) or '?'}"
-        sentence = _first_sentence(rest)
+        sentence = first_sentence(rest)
         other = _normalise(sentence, last=False)
         hedged = re.search(_HEDGE_WORD + r"|\\(?:lor|vee)|\|", gap.group(0), re.I)
         listed = re.search(r"[,;|]", gap.group(0))
         alone = not re.search(r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", "", sentence))  # no unit, no words
         if other is not None and re.search(r"\d", other) and (hedged or listed) and alone:
             return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
+    offered = hedged_value_after(tail)  # "\boxed{2}, although it could be 3"
+    if offered is not None and not _same_value(offered, answer):
+        return f"{answer} or {offered}"
     before = _TEXT_WRAP_RE.sub(r" \1 ", _denoise(text[max(0, box.start() - 300):box.start()]))
     cut = _GAP_BEFORE_RE.search(before)
     stem = before[:cut.start()].rstrip()
+    offered = hedged_value_before(stem, before[cut.start():])  # "Answer: 3 or \boxed{2}"
+    if offered is not None and not _same_value(offered, answer) and not re.search(
+            r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", "", first_sentence(tail))):  # not "$5, or \boxed{500} cents"
+        return f"{offered} or {answer}"
     if stem.endswith("}"):
         prev = None
         for m in _BOX_RE.finditer(stem):
