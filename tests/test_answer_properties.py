@@ -137,7 +137,9 @@ def test_a_chain_of_working_ending_in_the_gold_scores_1(g, k, pre, wrap, form):
                              "\\boxed{{{g}}} OR x = {a}", "\\boxed{{{a} ∨ {g}}}", "\\boxed{{{a}，{g}}}",
                              "\\boxed{{{g}}}, although it could be {a}", "\\boxed{{{g}}}. But it might also be {a}.",
                              "\\boxed{{{g}}}. Or maybe {a}.", "$\\boxed{{{g}}}$, though the answer may be ${a}$.",
-                             "Answer: {a} or \\boxed{{{g}}}", "So $x = {a}$ or $\\boxed{{{g}}}$",
+                             "Answer: {a} or \\boxed{{{g}}}", "The answer is ${a}$, or maybe $\\boxed{{{g}}}$.",
+                             "$\\boxed{{{g}}}$\n\nBut it might also be {a}.", "\\[\n\\boxed{{{g}}}\n\\]\nOr maybe {a}.",
+                             "\\boxed{{{g}}}. (It may also be {a}.)", "\\boxed{{{a}}}. Or maybe \\boxed{{{g}}}.",
                              "\\boxed{{x_1 = {a}, x_2 = {g}}}", "\\boxed{{x_{{1}} = {g} \\quad x_{{2}} = {a}}}"]))
 def test_a_hedge_between_two_values_scores_0(g, a, pre, form):
     if a == g:
@@ -161,7 +163,9 @@ def test_operators_and_unicode_that_hide_a_second_value_score_0(g, a, pre, wrap,
                              "${g}$ hours, or $\\boxed{{{g60}}}$ minutes", "\\boxed{{{g}}}. Each of the {k} boxes could be full.",
                              "\\boxed{{x_1 = {g}, x_2 = {g}}}", "\\boxed{{x_1 = {k}, y_1 = {g}}}",
                              "The area is half of ${kg}$, or $\\boxed{{{g}}}$.", "$7 - {k}$, or $\\boxed{{{g}}}$",
-                             "Only $\\boxed{{{g}}}$ leaves a remainder of 1 when divided by 2, 3, or {k}."]))
+                             "Only $\\boxed{{{g}}}$ leaves a remainder of 1 when divided by 2, 3, or {k}.",
+                             "So she needs {k} times {q} or \\boxed{{{g}}}.", "$\\boxed{{{g}}}$. If order mattered, the answer could be {kg}.",
+                             "\\boxed{{a_1 = {k}, a_{{20}} = {g}}}", "\\boxed{{d_1 = {k}, d_2 = {k}, d = {g}}}"]))
 def test_a_restatement_beside_the_box_is_no_hedge(g, k, pre, form):
     # MATH's "or" often means "that is": the same value again, or the value in another unit
     expr = form.format(g=g, k=k, q=Fraction(g, k), kg=k * g, g60=60 * g)

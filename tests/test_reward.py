@@ -217,6 +217,39 @@ def test_explanations_around_a_box_and_unicode_forms_keep_the_answer(text, gold)
     assert math_reward(text, gold) == 1.0
 
 
+# A value offered in words beside a box, or listed by numbered roots in it: a hedge (0 against one
+# of its values); explanations, restatements and other numbered names keep the box (1).
+@pytest.mark.parametrize("text,gold", [
+ # hedges: expect 0 against gold
+ ("\\boxed{2}\n\nIt could also be 3.", "2"), ("\\boxed{2}\n\nBut it might also be 3.", "2"), ("$\\boxed{2}$\n\nOr maybe 3.", "2"),
+ ("**Final Answer**\n\\[\n\\boxed{2}\n\\]\nAlthough it might also be 3.", "2"), ("\\[\\boxed{2}\\]\n\nOr maybe 3.", "2"),
+ ("$\\boxed{2}$.\n\nBut it might also be 3.", "2"), ("\\boxed{2}. (It may also be 3.)", "2"), ("\\boxed{2}\n(Or possibly 3.)", "2"),
+ ("\\boxed{2}. Or maybe \\boxed{3}.", "3"), ("\\boxed{2}. Or \\boxed{3}.", "3"),
+ ("The answer is 3, or maybe \\boxed{2}.", "2"), ("The answer is 3, or possibly $\\boxed{2}$.", "2"),
+ ("Answer: 3 or \\boxed{2}", "2"), ("The answer is 3 or \\boxed{2}", "2"),
+ ("\\boxed{2}, although it could be 3", "2"), ("\\boxed{2}. But it might also be 3.", "2"), ("\\boxed{2}. Or maybe 3.", "2"),
+ ("\\boxed{x_1=1, x_2=2}", "2"), ("\\boxed{x_{1} = 4 \\quad x_{2} = 5}", "5"), ("\\boxed{\\theta_1 = 30, \\theta_2 = 150}", "150"),])
+def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
+    assert math_reward(text, gold) == 0.0, extract_final_answer(text)
+
+
+@pytest.mark.parametrize("text,gold", [
+ ("\\boxed{a_n = 2n + 1, a_{10} = 21}", "21"), ("\\boxed{S_n = n^2, S_{10} = 100}", "100"), ("\\boxed{a_1 = 3, a_{20} = 60}", "60"),
+ ("\\boxed{v_i = 0, v_f = 20}", "20"), ("\\boxed{d_1 = 3, d_2 = 4, d = 5}", "5"), ("\\boxed{A_1 = 6, A_2 = 8, A = 14}", "14"),
+ ("\\boxed{T_1 = 10, T_2 = 20, T_{total} = 30}", "30"),
+ ("which is $30^\\circ$ or $\\boxed{\\frac{\\pi}{6}}$.", "\\frac{\\pi}{6}"), ("The angle measures $\\frac{\\pi}{3}$ or $\\boxed{60^\\circ}$.", "60^\\circ"),
+ ("The ratio is $1:3$ or $\\boxed{\\frac{1}{3}}$.", "\\frac13"), ("So she needs 3 times 4 or \\boxed{12}.", "12"), ("He pays $\\$5$ or $\\boxed{500}$.", "500"),
+ ("So $x^2 = 4$ or $\\boxed{2}$.", "2"), ("That is approximately 3.14 or $\\boxed{\\pi}$.", "\\pi"),
+ ("The largest possible value is $\\boxed{12}$. The smallest value can be 2.", "12"), ("The maximum is $\\boxed{4}$. Note that the minimum value can be 0.", "4"),
+ ("There are $\\boxed{12}$ ways. If order mattered, the result might be 24.", "12"), ("So the answer is $\\boxed{60}$. Without the restriction, the answer could be 120.", "60"),
+ ("\\boxed{2}, although it could be 2.0", "2"), ("\\boxed{7} (or 420 minutes)", "7"), ("equals $50 \\cdot 12$, or $\\boxed{600}$.", "600"),
+ ("Only $\\boxed{49}$ has a remainder of 1 when divided by 2, 3, 4, or 6.", "49"), ("\\boxed{S_5 = 31}", "31"), ("\\boxed{x = 1, y = 2}", "2"),
+ ("$5$ hours, or $\\boxed{300}$ minutes", "300"), ("\\boxed{x_1=1, x_2=2}", "1, 2"), ("\\boxed{x_1 = -3, \\ x_2 = 2}", "-3, 2"),
+ ("The answer is $\\boxed{5}$. It could be checked by 2 + 3 = 5.", "5"), ("\\boxed{12}. Each could be 4.", "12"),])
+def test_restatements_explanations_and_other_numbered_names_keep_the_box(text, gold):
+    assert math_reward(text, gold) == 1.0, extract_final_answer(text)
+
+
 # ---------------------------------------------------------------- RewardWorker
 def test_worker_normal_and_real_reward_fn():
     with RewardWorker(timeout=30) as w:

@@ -14,7 +14,7 @@ dropped; anywhere else a word ends the answer. Two expressions joined by a hedge
 "either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7"), and a box with a
 value offered in words beside it ("\\boxed{2}, although it could be 3", "\\boxed{2}. Or maybe 3.",
 "Answer: 3 or \\boxed{2}") are one compound answer, equal to no single value. A list of
-solutions of one unknown (``x = 1, x = 2``, ``x = 1 \\mid x = 2``, and in a box indexed names
+solutions of one unknown (``x = 1, x = 2``, ``x = 1 \\mid x = 2``, and in a box numbered roots
 ``x_1 = 1, x_2 = 2``) answers the list of its distinct values
 (``1, 2``), equal to no single one of them; working (``x = 10/2, x = 5``, ``x^2 = 25, x = 5``)
 answers its last right-hand side.
@@ -73,7 +73,7 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TEXT_MARKER_RE = re.compile(
     r"####|\bfinal\s+answer\b\s*(?:is\b|:|=)\s*:?"
     r"|\bthe\s+(?:final\s+)?answer\s+(?:is|was|would\s+be|will\s+be)\b\s*:?"
-    r"|^[\s*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
+    r"|^[ \t*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
 # A hedge joins two expressions into one compound answer ("6 or 7", "6 and 7", "1, 2, 7").
 _CONNECTORS = {"or", "and", "either", "between", "maybe", "perhaps", "possibly"}
 # Between an answer and another value it is hedged with, within one sentence: spaces, commas,
@@ -100,7 +100,7 @@ _OR_RE = re.compile(_LOGIC_OR + r"|\bor\b")
 # notation, so against any other gold math-verify judges).
 _BAR_RE = re.compile(r"\||\\(?:mid|vert|lvert|rvert)(?![A-Za-z])")
 # A \text{} that is only a connector and values ("1.5 \text{ (or 2)}"): its words are the answer's.
-_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*\(?\s*(?:or|either)\b[^A-Za-z{}]*\)?\s*)\}")
+_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*(?:\(\s*)?(?:or|either)\b[^A-Za-z{}]*)\}")
 # A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, semicolons
 # (a list's: "x = 1; x = 2"), spaces.
 _TOKEN_RE = re.compile(r"""
@@ -217,17 +217,16 @@ def _listed_values(s: str) -> list[str] | None:
     if len(values) < 2:
         return None
     distinct: list[str] = []
-    same = _same_value if len(values) <= 6 else _same_text  # math-verify for a few values only
-    for v in values:
-        if not any(same(v, d) for d in distinct):
+    if len(values) > 6:  # many values: equal text or equal plain numbers, one pass (no math-verify)
+        keys = {}
+        for v in values:
+            n = number_candidates(v)
+            keys.setdefault(n[0][0] if n else v.replace(" ", ""), v)
+        distinct = list(keys.values())
+    for v in values if len(values) <= 6 else ():
+        if not any(_same_value(v, d) for d in distinct):
             distinct.append(v)
     return distinct if len(distinct) > 1 else values[-1:]
-
-
-def _same_text(a: str, b: str) -> bool:
-    """Equal text (spaces aside) or equal plain numbers."""
-    x, y = number_candidates(a), number_candidates(b)
-    return a.replace(" ", "") == b.replace(" ", "") or bool(x and y and x[0][0] == y[0][0])
 
 
 def _clean_run(run: str) -> str:
@@ -342,7 +341,7 @@ def extract_final_answer(text: str) -> str | None:
             if mark.group(0) == "####":
                 span = span.split("\n", 1)[0]
             else:
-                span = first_sentence(span)
+                span = first_sentence(span[:2 * MAX_ANSWER_CHARS])  # linear in the markers
             answer = _normalise(span, last=False)
         if answer is not None:
             return answer
@@ -365,10 +364,13 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
     ``\\boxed{2} (maybe 3)``, ``\\boxed{2} \\lor 3``, ``\\boxed{2}, 3.``; not "\\boxed{7} (or 420
     minutes)", "\\boxed{70} / 100 points" or "$N = \\boxed{6}$, $30N + 7 = 187$ is composite"),
     a box before it (``\\boxed{6} or \\boxed{7}``,
-    ``\\boxed{3} / \\boxed{2}``, ``\\boxed{3}\\boxed{2}``); only punctuation that does not
-    end a sentence, LaTeX spacing and hedge words (:data:`_GAP_TOKEN`) may sit between them. A
-    plain value before the box is not read: "equals $50 \\cdot 12$, or $\\boxed{600}$" is MATH's
-    "that is", not a hedge."""
+    ``\\boxed{3} / \\boxed{2}``, ``\\boxed{3}\\boxed{2}``, ``\\boxed{3}. Or maybe \\boxed{2}``);
+    only punctuation that does not end a sentence, LaTeX spacing and hedge words
+    (:data:`_GAP_TOKEN`) may sit between them, and a stop before a hedge word. A value offered in
+    words (:func:`hedged_value_after`, :func:`hedged_value_before`: ``\\boxed{2}, although it
+    could be 3``, ``Answer: 3 or \\boxed{2}``) makes it compound unless it equals the box's. A
+    plain value before the box without an answer marker is not read: "equals $50 \\cdot 12$, or
+    $\\boxed{600}$" is MATH's "that is", not a hedge."""
     content, after = _after_box(text, box.end() - 1)
     if content is None:
         return None
@@ -402,11 +404,12 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         return f"{answer} or {offered}"
     before = _TEXT_WRAP_RE.sub(r" \1 ", _denoise(text[max(0, box.start() - 300):box.start()]))
     cut = _GAP_BEFORE_RE.search(before)
-    stem = before[:cut.start()].rstrip()
-    offered = hedged_value_before(stem, before[cut.start():])  # "Answer: 3 or \boxed{2}"
-    if offered is not None and not _same_value(offered, answer) and not re.search(
-            r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", "", first_sentence(tail))):  # not "$5, or \boxed{500} cents"
+    stem, gap = before[:cut.start()].rstrip(), before[cut.start():]
+    offered = hedged_value_before(stem, gap)  # "Answer: 3 or \boxed{2}"
+    if offered is not None and not _same_value(offered, answer):
         return f"{offered} or {answer}"
+    if re.search(_HEDGE_WORD, gap, re.I):  # "\boxed{2}. Or maybe \boxed{3}."
+        stem = stem.rstrip(".!?;").rstrip()
     if stem.endswith("}"):
         prev = None
         for m in _BOX_RE.finditer(stem):

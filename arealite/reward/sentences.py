@@ -17,26 +17,33 @@ _GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iot
 _NAME = rf"((?:[A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\)\}})?)"
 # A named unknown before its "=" (or aligned "&="); :func:`named_equations` keeps those that
 # start an equation (at the start, or after a separator, a row break or a LaTeX command).
-NAMED_EQ_RE = re.compile(rf"{_NAME}\s*&?\s*=(?!=)")
+NAMED_EQ_RE = re.compile(rf"{_NAME}\s*(?:&\s*)?=(?!=)")
 _EQ_START_RE = re.compile(r"(?:^|[,;|&~$]|\\\\|\\[A-Za-z]+)$")
-_LETTER_RE = re.compile(r"\\[A-Za-z]+|[A-Za-z]")
+# The unknowns whose numbered names list roots or solutions in a box (x_1, x_{2}, \theta_1).
+_ROOT_NAME_RE = re.compile(r"(x|y|z|t|r|\\theta)_\{?(\d)\}?")
 
 # A plain value: an integer, a decimal, a/b or a \frac of two plain parts.
 _VALUE = r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|[-+]?\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}"
-# A second value offered in words at the end of a sentence: a modal after its subject anywhere in
-# the sentence ("although it could be 3", "but the answer might also be 3"), or a hedge word that
-# opens the sentence ("Or maybe 3.", ", though perhaps 3"; not "divided by 2, 3, 4, or 6"); then
-# nothing but brackets and a stop after the value.
-_HEDGED_VALUE_RE = re.compile(
-    r"(?:\b(?:it|this|that|answer|result|value)\s+(?:could|might|may|can)\s+(?:also\s+|well\s+|instead\s+|even\s+)?be"
-    r"|^[\s,;:(]*(?:(?:but|though|although|and)\s+)?(?:or\s+)?(?:or|maybe|perhaps|possibly|alternatively)\b)"
-    rf"[\s:=(]*(?P<value>{_VALUE})[\s)]*[.!?]?\s*$", re.I)
+_VALUE_TAIL = r"[\s)]*[.!?]?[\s)]*$"  # after the value: nothing but brackets and a stop
+# A second value offered in words in the rest of the box's sentence: a modal after its subject
+# (", although it could be 3", ", but the answer might also be 3") or a hedge word right after
+# the box (", though perhaps 3"; not "divided by 2, 3, 4, or 6").
+_HEDGE_MODAL = r"\b(?:it|this|answer)\s+(?:could|might|may)\s+(?:also\s+|well\s+|instead\s+|even\s+)?be"
+_HEDGE_OPENER = r"^[\s,;:(]*(?:(?:but|though|although|and)\s+)?(?:or\s+)?(?:or|maybe|perhaps|possibly|alternatively)\b"
+_SAME_SENTENCE_RE = re.compile(rf"(?:{_HEDGE_MODAL}|{_HEDGE_OPENER})[\s:=(]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
+# ... or a next sentence that opens with the hedge ("But it might also be 3.", "Or maybe 3.",
+# "(It may also be 3.)"; not "If order mattered, the result might be 24.").
+_NEXT_SENTENCE_RE = re.compile(
+    rf"^[\s(]*(?:(?:but|though|although|however,?)\s+)?(?:(?:it|this|the\s+answer)\s+(?:could|might|may)\s+"
+    rf"(?:also\s+|well\s+|instead\s+|even\s+)?be|(?:or\s+)?(?:or|maybe|perhaps|possibly|alternatively)\b)"
+    rf"[\s:=(]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
 _SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n")
-# A hedge between a value and the box after it: "3 or \boxed{2}", "3 \lor \boxed{2}".
-_HEDGE_GAP_RE = re.compile(r"\b(?:or|maybe|perhaps|possibly|alternatively)\b|\\(?:lor|vee)(?![A-Za-z])", re.I)
-# The plain value that ends a text, not an operand ("3", "x = 3"; not "50 \cdot 12").
-_VALUE_END_RE = re.compile(rf"(?:^|(?<=[\s:=(]))(?P<value>{_VALUE})\s*$")
-_OPERATOR_END_RE = re.compile(r"(?:[-+*/^×·÷]|\\(?:cdot|times|div|pm|mp))\s*$")
+_BLANK_RE = re.compile(r"(?:\\[\])]|[$.!?\s])*")  # a piece of only math delimiters and stops
+# An answer marker, a plain value, a hedge, then the box: "Answer: 3 or \boxed{2}", "The answer is
+# 3, or maybe \boxed{2}" (a comma needs a hedge word that is no "that is": maybe, perhaps, ...).
+_MARKED_VALUE_RE = re.compile(
+    rf"(?:\banswer\s*(?:is|:|=)|\banswer\s+(?:would|will|could|might)\s+be)\s*(?:[a-z]\s*=\s*)?(?P<value>{_VALUE})\s*$", re.I)
+_HEDGE_GAP_RE = re.compile(r"^\s*(?:or\b|\\(?:lor|vee)(?![A-Za-z]))|^\s*,?\s*(?:or\s+)?(?:maybe|perhaps|possibly)\b", re.I)
 
 
 def named_equations(s: str) -> list[re.Match]:
@@ -52,18 +59,20 @@ def named_equations(s: str) -> list[re.Match]:
 
 
 def unindexed_list(content: str) -> str:
-    """A box's ``content`` with indexed names of one letter made that letter when the box names
-    two or more of them (``x_1 = 1, x_2 = 2`` -> ``x = 1, x = 2``: the roots of one unknown, read
-    as a list), else ``content`` unchanged (``S_5 = 31``, ``x = 1, y = 2``). In a box the
-    equations are the answer, so indexed names list values; outside one they may be working."""
-    names = named_equations(content)
-    indexed = [m for m in names if m.group(1) != _LETTER_RE.match(m.group(1)).group(0)]
-    letters = {_LETTER_RE.match(m.group(1)).group(0) for m in indexed}
-    if len(indexed) < 2 or len(letters) != 1 or len({m.group(1) for m in indexed}) < 2:
+    """A box's ``content`` with numbered roots made one unknown when the box holds two or more
+    equations that all name one of x, y, z, t, r or ``\\theta`` with a one-digit index (``x_1 = 1,
+    x_2 = 2`` -> ``x = 1, x = 2``: the roots of one unknown, read as a list), else ``content``
+    unchanged (``S_5 = 31``, ``x = 1, y = 2``, ``a_1 = 3, a_{20} = 60``, ``v_i = 0, v_f = 20``,
+    ``d_1 = 3, d_2 = 4, d = 5``). Outside a box numbered names may be a sequence's working.
+    Boxes over 300 characters are left as they are."""
+    if len(content) > 300:
         return content
-    letter = letters.pop()
-    for m in reversed(indexed):
-        content = content[:m.start(1)] + letter + content[m.end(1):]
+    names = named_equations(content)
+    roots = [_ROOT_NAME_RE.fullmatch(m.group(1)) for m in names]
+    if len(names) < 2 or not all(roots) or len({r.group(1) for r in roots}) != 1:
+        return content
+    for m, r in zip(reversed(names), reversed(roots)):
+        content = content[:m.start(1)] + r.group(1) + content[m.end(1):]
     return content
 
 
@@ -86,25 +95,31 @@ def first_sentence(span: str) -> str:
 
 
 def hedged_value_after(tail: str) -> str | None:
-    """The value that a hedge in words offers after a box, in the rest of the box's sentence or
-    in the next sentence of ``tail`` (the de-noised text after the box): ``, although it could be
-    3``, ``. But it might also be 3.``, ``. Or maybe 3.``; the value must end its sentence
-    (``(or 420 minutes)`` restates the box in a unit and offers nothing). None when there is none."""
-    for sentence in _SENTENCE_END_RE.split(tail[:300], maxsplit=2)[:2]:
-        m = _HEDGED_VALUE_RE.search(sentence)
+    """The value that a hedge in words offers after a box, in ``tail`` (the de-noised text after
+    it): in the rest of the box's sentence (``, although it could be 3``, ``, though perhaps 3``)
+    or in the next sentence when that sentence opens with the hedge (``. But it might also be
+    3.``, ``.\\n\\nOr maybe 3.``; blank lines and math delimiters are skipped). The value must end
+    its sentence: ``(or 420 minutes)`` restates the box in a unit, and words after the value
+    ("could be 3 as well") are not read. None when there is none."""
+    pieces = [p for p in _SENTENCE_END_RE.split(tail[:300]) if not _BLANK_RE.fullmatch(p)]
+    first_is_rest = bool(pieces) and not re.match(r"\s*(?:\\[\])]|\$)*\s*[.!?\n]", tail) and tail[:1] not in "\n"
+    for i, sentence in enumerate(pieces[:2]):
+        same = i == 0 and first_is_rest
+        m = (_SAME_SENTENCE_RE if same else _NEXT_SENTENCE_RE).search(sentence)
         if m:
             return m.group("value")
+        if not same:
+            break
     return None
 
 
 def hedged_value_before(stem: str, gap: str) -> str | None:
-    """The plain value that ends ``stem`` when ``gap`` (between it and a box) holds a hedge word
-    or symbol and no comma: ``Answer: 3`` + `` or `` -> ``3``. None otherwise: MATH writes
-    "…, or" for "that is" ("the negative reciprocal of $\\frac{5}{4}$, or $\\boxed{-\\frac{4}{5}}$",
-    "half of $1,$ or $\\boxed{\\frac{1}{2}}$"), and an operand is no value ("$50 \\cdot 12$ or")."""
-    if "," in gap or not _HEDGE_GAP_RE.search(gap):
+    """The plain value that an answer marker gives right before a box with a hedge between
+    (``stem`` + ``gap`` + box): ``Answer: 3`` + `` or ``, ``The answer is 3`` + ``, or maybe ``
+    -> ``3``. None otherwise: without a marker, "…, or" and "… or" before a box often mean "that
+    is" ("the negative reciprocal of $\\\\frac{5}{4}$, or $\\\\boxed{-\\\\frac{4}{5}}$", "$30^\\\\circ$ or
+    $\\\\boxed{\\\\frac{\\\\pi}{6}}$", "3 times 4 or \\\\boxed{12}")."""
+    if not _HEDGE_GAP_RE.search(gap):
         return None
-    m = _VALUE_END_RE.search(stem[-80:])
-    if m is None or _OPERATOR_END_RE.search(stem[-80:][:m.start()]):
-        return None
-    return m.group("value")
+    m = _MARKED_VALUE_RE.search(stem[-80:])
+    return m.group("value") if m else None
