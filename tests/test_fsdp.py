@@ -119,6 +119,41 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir):
     assert engine.n_skipped_steps == 5
 
 
+@pytest.mark.filterwarnings("ignore:Seems like .optimizer.step")
+def test_the_fused_optimizer_step_equals_torchs_reference_adamw(tiny_model_dir):
+    """The engine's AdamW (fused) takes the step of torch's single-tensor AdamW on the same
+    clipped gradients: two steps (moments carried over), weight decay on matrices only."""
+    from arealite.api.config import OptimizerConfig, TrainEngineConfig
+    from arealite.train_engine.fsdp import FSDPEngine
+
+    engine = FSDPEngine(TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1, gradient_clipping=0.5)))
+    engine.initialize(tiny_model_dir)
+    assert engine.optimizer.defaults["fused"]
+    names = {p: n for n, p in engine.model.named_parameters()}
+    params = {n: p.detach().full_tensor().clone() for n, p in engine.model.named_parameters()}
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in params.items()}
+    groups = [{"params": [ref[names[p]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+              for g in engine.optimizer.param_groups]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and all(ref[n].dim() < 2 for n in
+                                                                      (names[p] for p in engine.optimizer.param_groups[1]["params"]))
+    reference = torch.optim.AdamW(groups, lr=1e-2, foreach=False, fused=False)
+    step = engine.optimizer.step
+
+    def step_and_check(*args, **kwargs):  # the engine's gradients, after clipping, into the reference
+        for p, n in names.items():
+            ref[n].grad = p.grad.full_tensor().clone()
+        out = step(*args, **kwargs)
+        reference.step()
+        for p, n in names.items():
+            torch.testing.assert_close(p.detach().full_tensor(), ref[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
+        return out
+
+    engine.optimizer.step = step_and_check
+    for _ in range(2):
+        engine.train_batch(_batch(), _token_mean_nll, _n_tokens)
+    assert any(not torch.equal(ref[n].detach(), params[n]) for n in params)
+
+
 def test_saved_hf_checkpoint_generates_the_engines_greedy_tokens(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
