@@ -228,7 +228,10 @@ def test_explanations_around_a_box_and_unicode_forms_keep_the_answer(text, gold)
  ("The answer is 3, or maybe \\boxed{2}.", "2"), ("The answer is 3, or possibly $\\boxed{2}$.", "2"),
  ("Answer: 3 or \\boxed{2}", "2"), ("The answer is 3 or \\boxed{2}", "2"),
  ("\\boxed{2}, although it could be 3", "2"), ("\\boxed{2}. But it might also be 3.", "2"), ("\\boxed{2}. Or maybe 3.", "2"),
- ("\\boxed{x_1=1, x_2=2}", "2"), ("\\boxed{x_{1} = 4 \\quad x_{2} = 5}", "5"), ("\\boxed{\\theta_1 = 30, \\theta_2 = 150}", "150"),])
+ ("\\boxed{x_1=1, x_2=2}", "2"), ("\\boxed{x_{1} = 4 \\quad x_{2} = 5}", "5"), ("\\boxed{\\theta_1 = 30, \\theta_2 = 150}", "150"),
+ ("\\boxed{2}. Or it could be 3.", "2"), ("\\boxed{2}. Alternatively, the answer could be 3.", "2"),
+ ("\\boxed{2}. Though, it could also be 3.", "2"), ("\\boxed{2}. Wait, it might be 3.", "2"), ("\\boxed{2}, but the result might be 3.", "2"),
+ ("The answer is either 3 or \\boxed{2}.", "2"), ("The answer should be 3 or \\boxed{2}.", "2")])
 def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
     assert math_reward(text, gold) == 0.0, extract_final_answer(text)
 
@@ -245,7 +248,11 @@ def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
  ("\\boxed{2}, although it could be 2.0", "2"), ("\\boxed{7} (or 420 minutes)", "7"), ("equals $50 \\cdot 12$, or $\\boxed{600}$.", "600"),
  ("Only $\\boxed{49}$ has a remainder of 1 when divided by 2, 3, 4, or 6.", "49"), ("\\boxed{S_5 = 31}", "31"), ("\\boxed{x = 1, y = 2}", "2"),
  ("$5$ hours, or $\\boxed{300}$ minutes", "300"), ("\\boxed{x_1=1, x_2=2}", "1, 2"), ("\\boxed{x_1 = -3, \\ x_2 = 2}", "-3, 2"),
- ("The answer is $\\boxed{5}$. It could be checked by 2 + 3 = 5.", "5"), ("\\boxed{12}. Each could be 4.", "12"),])
+ ("The answer is $\\boxed{5}$. It could be checked by 2 + 3 = 5.", "5"), ("\\boxed{12}. Each could be 4.", "12"),
+ ("There are \\boxed{12} ways, but if order mattered it could be 24.", "12"),
+ ("The smallest is \\boxed{1}, since otherwise it could be 0.", "1"), ("\\boxed{10} (for negative x this could be -10)", "10"),
+ ("\\boxed{30^\\circ}. Or \\frac{\\pi}{6}.", "30"), ("\\boxed{x_0 = 1, x_1 = 1.5, x_2 = 1.4167}", "1.4167"), ("\\boxed{t_0 = 0, t_1 = 5}", "5"),
+ ("The answer is 5, see the box \\boxed{}", "5")])
 def test_restatements_explanations_and_other_numbered_names_keep_the_box(text, gold):
     assert math_reward(text, gold) == 1.0, extract_final_answer(text)
 

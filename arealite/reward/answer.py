@@ -329,6 +329,7 @@ def extract_final_answer(text: str) -> str | None:
     # correct") gives way to the one before it, and with none the last expression answers.
     marks = sorted([*_BOX_RE.finditer(text), *_TEXT_MARKER_RE.finditer(text)], key=lambda m: -m.start())
     nested = nested_boxes(text, [m for m in marks if m.group(0).startswith("\\")])
+    end = len(text)  # a textual marker's span ends at the next marker (linear in the markers)
     for mark in marks:
         if mark.group(0).startswith("\\"):
             if mark.start() in nested:
@@ -338,11 +339,13 @@ def extract_final_answer(text: str) -> str | None:
             span = text[mark.end():]
             if _BOX_RE.search(span) is not None:
                 continue  # "The answer is \boxed{5}": the box inside the span answers
+            span = text[mark.end():min(end, mark.end() + 2 * MAX_ANSWER_CHARS)]
             if mark.group(0) == "####":
                 span = span.split("\n", 1)[0]
             else:
-                span = first_sentence(span[:2 * MAX_ANSWER_CHARS])  # linear in the markers
+                span = first_sentence(span)
             answer = _normalise(span, last=False)
+        end = mark.start()
         if answer is not None:
             return answer
     return _normalise(text, last=True)

@@ -20,29 +20,34 @@ _NAME = rf"((?:[A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\
 NAMED_EQ_RE = re.compile(rf"{_NAME}\s*(?:&\s*)?=(?!=)")
 _EQ_START_RE = re.compile(r"(?:^|[,;|&~$]|\\\\|\\[A-Za-z]+)$")
 # The unknowns whose numbered names list roots or solutions in a box (x_1, x_{2}, \theta_1).
-_ROOT_NAME_RE = re.compile(r"(x|y|z|t|r|\\theta)_\{?(\d)\}?")
+_ROOT_NAME_RE = re.compile(r"(x|y|z|t|r|\\theta)_\{?([1-9])\}?")  # x_0, t_0: an initial value
 
-# A plain value: an integer, a decimal, a/b or a \frac of two plain parts.
-_VALUE = r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|[-+]?\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}"
+# A plain value: an integer, a decimal, a/b or a \frac of two integers.
+_VALUE = r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|[-+]?\\[dt]?frac\s*\{\s*-?\d+\s*\}\s*\{\s*\d+\s*\}"
 _VALUE_TAIL = r"[\s)]*[.!?]?[\s)]*$"  # after the value: nothing but brackets and a stop
+_MODAL = (r"\b(?:it|this|the\s+(?:answer|result|value)|answer)\s+(?:could|might|may)\s+"
+          r"(?:also\s+|well\s+|instead\s+|even\s+)?be")
 # A second value offered in words in the rest of the box's sentence: a modal after its subject
-# (", although it could be 3", ", but the answer might also be 3") or a hedge word right after
+# (", although it could be 3", ", but the result might also be 3") or a hedge word right after
 # the box (", though perhaps 3"; not "divided by 2, 3, 4, or 6").
-_HEDGE_MODAL = r"\b(?:it|this|answer)\s+(?:could|might|may)\s+(?:also\s+|well\s+|instead\s+|even\s+)?be"
 _HEDGE_OPENER = r"^[\s,;:(]*(?:(?:but|though|although|and)\s+)?(?:or\s+)?(?:or|maybe|perhaps|possibly|alternatively)\b"
-_SAME_SENTENCE_RE = re.compile(rf"(?:{_HEDGE_MODAL}|{_HEDGE_OPENER})[\s:=(]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
-# ... or a next sentence that opens with the hedge ("But it might also be 3.", "Or maybe 3.",
-# "(It may also be 3.)"; not "If order mattered, the result might be 24.").
+_SAME_SENTENCE_RE = re.compile(rf"(?:{_MODAL}|{_HEDGE_OPENER})[\s:=(]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
+# A condition or a reason before the modal makes it an explanation ("but if order mattered it
+# could be 24", "since otherwise it could be 0", "(for negative x this could be -10)").
+_CONDITION_RE = re.compile(r"\b(?:if|since|because|for|when|whenever|otherwise|unless|without|whereas|where)\b", re.I)
+# ... or a next sentence that opens with the hedge, after interjections ("But it might also be
+# 3.", "Or maybe 3.", "Alternatively, the answer could be 3.", "Wait, it might be 3.", "(It may
+# also be 3.)"; not "If order mattered, the result might be 24.").
 _NEXT_SENTENCE_RE = re.compile(
-    rf"^[\s(]*(?:(?:but|though|although|however,?)\s+)?(?:(?:it|this|the\s+answer)\s+(?:could|might|may)\s+"
-    rf"(?:also\s+|well\s+|instead\s+|even\s+)?be|(?:or\s+)?(?:or|maybe|perhaps|possibly|alternatively)\b)"
-    rf"[\s:=(]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
+    rf"^[\s(]*(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|then\s+again)\s*,?\s+)*"
+    rf"(?:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b)[\s:=(,]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
 _SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n")
 _BLANK_RE = re.compile(r"(?:\\[\])]|[$.!?\s])*")  # a piece of only math delimiters and stops
 # An answer marker, a plain value, a hedge, then the box: "Answer: 3 or \boxed{2}", "The answer is
 # 3, or maybe \boxed{2}" (a comma needs a hedge word that is no "that is": maybe, perhaps, ...).
 _MARKED_VALUE_RE = re.compile(
-    rf"(?:\banswer\s*(?:is|:|=)|\banswer\s+(?:would|will|could|might)\s+be)\s*(?:[a-z]\s*=\s*)?(?P<value>{_VALUE})\s*$", re.I)
+    rf"(?:\banswer\s*(?:is|:|=)|\banswer\s+(?:would|will|could|might|should|must)\s+be)\s*"
+    rf"(?:(?:either|probably|maybe|perhaps|possibly|likely)\s+)?(?:[a-z]\s*=\s*)?(?P<value>{_VALUE})\s*$", re.I)
 _HEDGE_GAP_RE = re.compile(r"^\s*(?:or\b|\\(?:lor|vee)(?![A-Za-z]))|^\s*,?\s*(?:or\s+)?(?:maybe|perhaps|possibly)\b", re.I)
 
 
@@ -60,10 +65,11 @@ def named_equations(s: str) -> list[re.Match]:
 
 def unindexed_list(content: str) -> str:
     """A box's ``content`` with numbered roots made one unknown when the box holds two or more
-    equations that all name one of x, y, z, t, r or ``\\theta`` with a one-digit index (``x_1 = 1,
+    equations that all name one of x, y, z, t, r or ``\\theta`` with an index 1-9 (``x_1 = 1,
     x_2 = 2`` -> ``x = 1, x = 2``: the roots of one unknown, read as a list), else ``content``
     unchanged (``S_5 = 31``, ``x = 1, y = 2``, ``a_1 = 3, a_{20} = 60``, ``v_i = 0, v_f = 20``,
-    ``d_1 = 3, d_2 = 4, d = 5``). Outside a box numbered names may be a sequence's working.
+    ``d_1 = 3, d_2 = 4, d = 5``, iterates from ``x_0``). Outside a box numbered names may be a
+    sequence's working.
     Boxes over 300 characters are left as they are."""
     if len(content) > 300:
         return content
@@ -106,7 +112,7 @@ def hedged_value_after(tail: str) -> str | None:
     for i, sentence in enumerate(pieces[:2]):
         same = i == 0 and first_is_rest
         m = (_SAME_SENTENCE_RE if same else _NEXT_SENTENCE_RE).search(sentence)
-        if m:
+        if m and not (same and _CONDITION_RE.search(sentence[:m.start()])):
             return m.group("value")
         if not same:
             break
@@ -114,11 +120,11 @@ def hedged_value_after(tail: str) -> str | None:
 
 
 def hedged_value_before(stem: str, gap: str) -> str | None:
-    """The plain value that an answer marker gives right before a box with a hedge between
-    (``stem`` + ``gap`` + box): ``Answer: 3`` + `` or ``, ``The answer is 3`` + ``, or maybe ``
-    -> ``3``. None otherwise: without a marker, "…, or" and "… or" before a box often mean "that
-    is" ("the negative reciprocal of $\\\\frac{5}{4}$, or $\\\\boxed{-\\\\frac{4}{5}}$", "$30^\\\\circ$ or
-    $\\\\boxed{\\\\frac{\\\\pi}{6}}$", "3 times 4 or \\\\boxed{12}")."""
+    r"""The plain value that an answer marker gives right before a box with a hedge between
+    (``stem`` + ``gap`` + box): ``Answer: 3`` + `` or ``, ``The answer is either 3`` + `` or ``,
+    ``The answer is 3`` + ``, or maybe `` -> ``3``. None otherwise: without a marker, "…, or" and
+    "… or" before a box often mean "that is" ("the negative reciprocal of $\frac{5}{4}$, or
+    $\boxed{-\frac{4}{5}}$", "$30^\circ$ or $\boxed{\frac{\pi}{6}}$", "3 times 4 or \boxed{12}")."""
     if not _HEDGE_GAP_RE.search(gap):
         return None
     m = _MARKED_VALUE_RE.search(stem[-80:])
