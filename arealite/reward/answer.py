@@ -229,6 +229,13 @@ def _listed_values(s: str) -> list[str] | None:
     return distinct if len(distinct) > 1 else values[-1:]
 
 
+def _same_number(value: str, answer: str) -> bool:
+    """Whether a plain number offered beside a box equals the box's answer as a plain number
+    (no math-verify: extraction stays linear)."""
+    a, b = number_candidates(value), number_candidates(answer)
+    return bool(a and b) and any(numbers_equal(x, xt, y, yt) for x, xt in a for y, yt in b)
+
+
 def _clean_run(run: str) -> str:
     """Trim a math run to its expression: outer spaces, dangling operators/commas/brackets; the
     right-hand side of the last top-level ``=`` / ``\\approx``; a unit's power after a number."""
@@ -403,13 +410,13 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         if other is not None and re.search(r"\d", other) and (hedged or listed) and alone:
             return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
     offered = hedged_value_after(tail)  # "\boxed{2}, although it could be 3"
-    if offered is not None and not _same_value(offered, answer):
+    if offered is not None and not _same_number(offered, answer):
         return f"{answer} or {offered}"
     before = _TEXT_WRAP_RE.sub(r" \1 ", _denoise(text[max(0, box.start() - 300):box.start()]))
     cut = _GAP_BEFORE_RE.search(before)
     stem, gap = before[:cut.start()].rstrip(), before[cut.start():]
     offered = hedged_value_before(stem, gap)  # "Answer: 3 or \boxed{2}"
-    if offered is not None and not _same_value(offered, answer):
+    if offered is not None and not _same_number(offered, answer):
         return f"{offered} or {answer}"
     if re.search(_HEDGE_WORD, gap, re.I):  # "\boxed{2}. Or maybe \boxed{3}."
         stem = stem.rstrip(".!?;").rstrip()

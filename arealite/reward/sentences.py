@@ -41,6 +41,7 @@ _CONDITION_RE = re.compile(r"\b(?:if|since|because|for|when|whenever|otherwise|u
 _NEXT_SENTENCE_RE = re.compile(
     rf"^[\s(]*(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|then\s+again)\s*,?\s+)*"
     rf"(?:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b)[\s:=(,]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
+_INLINE_MATH_RE = re.compile(r"\\[()\[\]]")  # \( \) \[ \]: math delimiters, read as blanks
 _SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n")
 _BLANK_RE = re.compile(r"(?:\\[\])]|[$.!?\s])*")  # a piece of only math delimiters and stops
 # An answer marker, a plain value, a hedge, then the box: "Answer: 3 or \boxed{2}", "The answer is
@@ -107,8 +108,9 @@ def hedged_value_after(tail: str) -> str | None:
     3.``, ``.\\n\\nOr maybe 3.``; blank lines and math delimiters are skipped). The value must end
     its sentence: ``(or 420 minutes)`` restates the box in a unit, and words after the value
     ("could be 3 as well") are not read. None when there is none."""
-    pieces = [p for p in _SENTENCE_END_RE.split(tail[:300]) if not _BLANK_RE.fullmatch(p)]
-    first_is_rest = bool(pieces) and not re.match(r"\s*(?:\\[\])]|\$)*\s*[.!?\n]", tail) and tail[:1] not in "\n"
+    tail = _INLINE_MATH_RE.sub(" ", tail[:300])  # "\\(3\\)" is 3
+    pieces = [p for p in _SENTENCE_END_RE.split(tail) if not _BLANK_RE.fullmatch(p)]
+    first_is_rest = bool(pieces) and not re.match(r"\s*\$*\s*[.!?\n]", tail) and tail[:1] not in "\n"
     for i, sentence in enumerate(pieces[:2]):
         same = i == 0 and first_is_rest
         m = (_SAME_SENTENCE_RE if same else _NEXT_SENTENCE_RE).search(sentence)
@@ -125,7 +127,8 @@ def hedged_value_before(stem: str, gap: str) -> str | None:
     ``The answer is 3`` + ``, or maybe `` -> ``3``. None otherwise: without a marker, "…, or" and
     "… or" before a box often mean "that is" ("the negative reciprocal of $\frac{5}{4}$, or
     $\boxed{-\frac{4}{5}}$", "$30^\circ$ or $\boxed{\frac{\pi}{6}}$", "3 times 4 or \boxed{12}")."""
+    stem, gap = _INLINE_MATH_RE.sub(" ", stem[-80:]), _INLINE_MATH_RE.sub(" ", gap)
     if not _HEDGE_GAP_RE.search(gap):
         return None
-    m = _MARKED_VALUE_RE.search(stem[-80:])
+    m = _MARKED_VALUE_RE.search(stem.rstrip())
     return m.group("value") if m else None
