@@ -233,7 +233,8 @@ def test_explanations_around_a_box_and_unicode_forms_keep_the_answer(text, gold)
  ("\\boxed{2}. Though, it could also be 3.", "2"), ("\\boxed{2}. Wait, it might be 3.", "2"), ("\\boxed{2}, but the result might be 3.", "2"),
  ("The answer is either 3 or \\boxed{2}.", "2"), ("The answer should be 3 or \\boxed{2}.", "2"),
  ("The answer is \\(\\boxed{2}\\), although it could be \\(3\\).", "2"), ("The answer is \\(\\boxed{2}\\). Or maybe \\(3\\).", "2"),
- ("Answer: \\(3\\) or \\(\\boxed{2}\\)", "2")])
+ ("Answer: \\(3\\) or \\(\\boxed{2}\\)", "2"),
+ ("So $x=\\boxed{2}$, $x = 3$.", "2"), ("So $x=\\boxed{2}$ or $y = 3$.", "2")])
 def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
     assert math_reward(text, gold) == 0.0, extract_final_answer(text)
 
@@ -255,7 +256,8 @@ def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
  ("The smallest is \\boxed{1}, since otherwise it could be 0.", "1"), ("\\boxed{10} (for negative x this could be -10)", "10"),
  ("\\boxed{30^\\circ}. Or \\frac{\\pi}{6}.", "30"), ("\\boxed{x_0 = 1, x_1 = 1.5, x_2 = 1.4167}", "1.4167"), ("\\boxed{t_0 = 0, t_1 = 5}", "5"),
  ("The answer is 5, see the box \\boxed{}", "5"), ("\\(\\boxed{\\frac{1}{2}}\\), although it could be \\(0.5\\).", "\\frac12"),
- ("which is \\(30^\\circ\\) or \\(\\boxed{\\frac{\\pi}{6}}\\).", "\\frac{\\pi}{6}")])
+ ("which is \\(30^\\circ\\) or \\(\\boxed{\\frac{\\pi}{6}}\\).", "\\frac{\\pi}{6}"),
+ ("So $x=\\boxed{2}$, $y = 3$.", "2"), ("Thus $a = \\boxed{2}$, $b=3$", "2"), ("So $\\boxed{x = 2}$, $y = 3$.", "2")])
 def test_restatements_explanations_and_other_numbered_names_keep_the_box(text, gold):
     assert math_reward(text, gold) == 1.0, extract_final_answer(text)
 

@@ -53,6 +53,7 @@ from arealite.reward.sentences import (
     first_sentence,
     hedged_value_after,
     hedged_value_before,
+    NAMED_EQ_RE,
     named_equations,
     unindexed_list,
 )
@@ -227,6 +228,14 @@ def _listed_values(s: str) -> list[str] | None:
         if not any(_same_value(v, d) for d in distinct):
             distinct.append(v)
     return distinct if len(distinct) > 1 else values[-1:]
+
+
+def _other_unknown(rest: str, content: str, before: str) -> bool:
+    """Whether ``rest`` (after a box) opens with an equation of an unknown other than the box's,
+    named in the box (``\\boxed{x = 2}``) or right before it (``x = \\boxed{2}``)."""
+    nxt = NAMED_EQ_RE.match(rest.lstrip())
+    own = NAMED_EQ_RE.match(_denoise(content).lstrip()) or re.search(rf"(?:{NAMED_EQ_RE.pattern})\s*$", _denoise(before))
+    return bool(nxt and own) and nxt.group(1) != own.group(1)
 
 
 def _same_number(value: str, answer: str) -> bool:
@@ -407,6 +416,8 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         hedged = re.search(_HEDGE_WORD + r"|\\(?:lor|vee)|\|", gap.group(0), re.I)
         listed = re.search(r"[,;|]", gap.group(0))
         alone = not re.search(r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", "", sentence))  # no unit, no words
+        if not hedged and _other_unknown(rest, content, text[max(0, box.start() - 60):box.start()]):
+            other = None  # "$x = \boxed{2}$, $y = 3$": the next unknown's value, not a second answer
         if other is not None and re.search(r"\d", other) and (hedged or listed) and alone:
             return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
     offered = hedged_value_after(tail)  # "\boxed{2}, although it could be 3"
