@@ -52,9 +52,17 @@ def test_killed_server_is_restarted_caught_up_and_the_run_finishes(tmp_path):
     steps = [r for r in rows if "summary" not in r]
     assert [s["step"] for s in steps] == list(range(steps_total))
     assert all(s["rollout/n_samples"] == 8 for s in steps)  # every step trained a full batch
-    # Tokens of the restarted server carry the version it was brought to: nothing went stale
-    # (version-0 tokens at v >= 2 would be dropped and counted here).
-    assert all(s["rollout/staleness_max"] <= 1 for s in steps) and steps[-1]["rollout/dropped_stale"] == 0
+    assert all(s["rollout/staleness_max"] <= 1 for s in steps)
+    # Tokens of the restarted server carry the version it was brought to: had it tagged them with
+    # the model it started from (version 0), every episode after the restart would be dropped as
+    # stale at v >= 2 and the steps above could not have been filled. What may go stale is an
+    # episode that straddles the kill: one sample finished on the old server, the other waited for
+    # the restart while the trainer, fed from the buffer, moved on (seen in CI under load). Such an
+    # episode's oldest tokens predate the restarted server's weights, and only episodes admitted
+    # but not trained at the kill, at most (η + 1) · consumer_batch_size = 8, can be in that state.
+    drops = [int(v) for v in re.findall(r"dropping a stale trajectory: oldest token version (\d+)", text)]
+    assert len(drops) == steps[-1]["rollout/dropped_stale"] <= 8, text[-3000:]
+    assert all(v < int(loaded.group(1)) for v in drops), (drops, loaded.group(0))
     print(f"restart drill: caught up {float(caught_up.group(2)):.1f} s after the restart began; "
           f"run end {time.time() - killed_at:.1f} s after the kill; failed episodes "
           f"{steps[-1]['rollout/failed']:.0f}, dropped stale {steps[-1]['rollout/dropped_stale']:.0f}")

@@ -114,7 +114,7 @@ def test_extract_gsm8k_answer():
         ("The answer is 1,000.", "1000"),
         ("I think 12... no wait, 13", "13"),
         ("57.", "57"),
-        ("x = -7 and 3.25", "-7 and 3.25"),  # two values joined by "and": one compound answer
+        ("x = -7 and 3.25", "-7, 3.25"),  # two values joined by "and": one compound answer
         ("it fell to -0.25.", "-0.25"),
         ("1,234,567 people", "1234567"),
         ("3-4", "3-4"),  # a calculation, whole
@@ -182,9 +182,13 @@ def test_a_hedge_whose_alternatives_all_equal_the_gold_scores_1():
     ("\\boxed{\\theta = 30, \\theta = 150}", ("30", "150")), ("\\boxed{\\therefore x = 1, x = 2}", ("1", "2")),
     ("\\boxed{x = 1 \\; x = 2}", ("1", "2")), ("\\boxed{y = 0, x = 1, x = 2}", ("1", "2")),
     ("The answer is $x = 1$; $x = 2$.", ("1", "2")), ("The answer is x = 1; x = 2.", ("1", "2")),
-    ("\\boxed{x = 1 | x = -1}", ("1", "-1"))])
+    ("\\boxed{x = 1 | x = -1}", ("1", "-1")), ("\\boxed{x = 2 \\text{ and } x = -3}", ("2", "-3")),
+    ("The solutions are $\\boxed{2}$ and $\\boxed{-3}$.", ("2", "-3")), ("$\\boxed{1}$, $\\boxed{2}$ and $\\boxed{3}$", ("1", "2", "3")),
+    ("So $x = \\boxed{2}$ and $x = \\boxed{-3}$.", ("2", "-3")), ("The answer is 5 and 6.", ("5", "6"))])
 def test_a_list_of_solutions_pays_for_the_list_only(text, values):
-    assert [math_reward(text, v) for v in values] == [0.0, 0.0]
+    """Values joined by "and" or by a comma between boxes are a list (in any order), never one of them."""
+    assert [math_reward(text, v) for v in values] == [0.0] * len(values)
+    assert math_reward(text, ", ".join(reversed(values))) == 1.0
     assert math_reward(text, ", ".join(values)) == 1.0
 
 
@@ -234,7 +238,11 @@ def test_explanations_around_a_box_and_unicode_forms_keep_the_answer(text, gold)
  ("The answer is either 3 or \\boxed{2}.", "2"), ("The answer should be 3 or \\boxed{2}.", "2"),
  ("The answer is \\(\\boxed{2}\\), although it could be \\(3\\).", "2"), ("The answer is \\(\\boxed{2}\\). Or maybe \\(3\\).", "2"),
  ("Answer: \\(3\\) or \\(\\boxed{2}\\)", "2"),
- ("So $x=\\boxed{2}$, $x = 3$.", "2"), ("So $x=\\boxed{2}$ or $y = 3$.", "2")])
+ ("So $x=\\boxed{2}$, $x = 3$.", "2"), ("So $x=\\boxed{2}$ or $y = 3$.", "2"),
+ ("$x = \\boxed{2}$ or $x = \\boxed{3}$", "3"), ("\\boxed{1}, \\boxed{2} or \\boxed{3}", "3"),
+ ("The answer is 2, although it could be 3.", "2"), ("The answer is 2 apples, but it might be 3.", "2"), ("#### 72\nIt might be 70.", "72"),
+ ("\\boxed{2}, although it could potentially be 3.", "2"), ("\\boxed{2}. Maybe it's 3.", "2"), ("\\boxed{2}. The answer should be 3.", "2"),
+ ("\\boxed{2 \\text{ (maybe 3)}}", "2"), ("\\boxed{30^\\circ}, or \\frac{\\pi}{4}", "30")])
 def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
     assert math_reward(text, gold) == 0.0, extract_final_answer(text)
 
@@ -257,7 +265,12 @@ def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
  ("\\boxed{30^\\circ}. Or \\frac{\\pi}{6}.", "30"), ("\\boxed{x_0 = 1, x_1 = 1.5, x_2 = 1.4167}", "1.4167"), ("\\boxed{t_0 = 0, t_1 = 5}", "5"),
  ("The answer is 5, see the box \\boxed{}", "5"), ("\\(\\boxed{\\frac{1}{2}}\\), although it could be \\(0.5\\).", "\\frac12"),
  ("which is \\(30^\\circ\\) or \\(\\boxed{\\frac{\\pi}{6}}\\).", "\\frac{\\pi}{6}"),
- ("So $x=\\boxed{2}$, $y = 3$.", "2"), ("Thus $a = \\boxed{2}$, $b=3$", "2"), ("So $\\boxed{x = 2}$, $y = 3$.", "2")])
+ ("So $x=\\boxed{2}$, $y = 3$.", "2"), ("Thus $a = \\boxed{2}$, $b=3$", "2"), ("So $\\boxed{x = 2}$, $y = 3$.", "2"),
+ ("\\boxed{30^\\circ}, or \\frac{\\pi}{6}", "30"), ("\\boxed{\\frac{\\pi}{6}}, or 30^\\circ", "\\frac{\\pi}{6}"),
+ ("\\boxed{-90^\\circ}, or -\\pi/2", "-90"), ("\\boxed{\\begin{aligned} a &= 3 \\end{aligned}}", "3"),
+ ("The answer is $\\boxed{6}$; 6 = 2 \\cdot 3.", "6"), ("The answer is 12, and doubling it would be 24.", "12"),
+ ("The answer is 5. If order mattered, the answer could be 10.", "5"), ("$x = \\boxed{2}$, $y = \\boxed{3}$", "3"),
+ ("(a) \\boxed{2} and (b) \\boxed{3}", "3"), ("\\boxed{2} and \\boxed{2}", "2"), ("The answer is 3, which could be 3.0", "3")])
 def test_restatements_explanations_and_other_numbered_names_keep_the_box(text, gold):
     assert math_reward(text, gold) == 1.0, extract_final_answer(text)
 

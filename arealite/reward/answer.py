@@ -10,26 +10,20 @@ answer: / final answer is" — so a self-corrected solution ("\\boxed{5} ... wai
 (``7^2``), a mixed number (``3\\frac{1}{2}``, ``3 1/2``), a tuple / interval / list, a
 percentage, and the right-hand side of a last ``=`` (``48+24 = 72`` answers 72). Around a number,
 currency signs, ``\\text{...}`` and unit words — with their powers (``5 cm^2`` answers 5) — are
-dropped; anywhere else a word ends the answer. Two expressions joined by a hedge ("6 or 7",
-"either 6 or 7", "between 6 and 7", "\\boxed{6} or \\boxed{7}", "1, 2, 7"), and a box with a
-value offered in words beside it ("\\boxed{2}, although it could be 3", "\\boxed{2}. Or maybe 3.",
-"Answer: 3 or \\boxed{2}") are one compound answer, equal to no single value. A list of
+dropped; anywhere else a word ends the answer. Values joined by "and" alone, or boxes joined by
+"and", ``,`` or ``;``, are a list ("2 and -3", "\\boxed{2} and \\boxed{-3}" answer ``2, -3``).
+Two expressions joined by a hedge ("6 or 7", "either 6 or 7", "between 6 and 7",
+"\\boxed{6} or \\boxed{7}", "$x = \\boxed{2}$ or $x = \\boxed{3}$"), and a box or a textual
+answer with a value offered in words beside it ("\\boxed{2}, although it could be 3",
+"\\boxed{2}. Or maybe 3.", "Answer: 3 or \\boxed{2}", "The answer is 2, although it could be
+3.") are one compound answer, equal to no single value. A list of
 solutions of one unknown (``x = 1, x = 2``, ``x = 1 \\mid x = 2``, and in a box numbered roots
 ``x_1 = 1, x_2 = 2``) answers the list of its distinct values
 (``1, 2``), equal to no single one of them; working (``x = 10/2, x = 5``, ``x^2 = 25, x = 5``)
 answers its last right-hand side.
 
-**Equivalence** (:func:`answers_equivalent`). Plain numbers (integers, decimals, ``a/b``,
-``\\frac``/``\\dfrac``/``\\tfrac``/``\\frac12``, mixed numbers, percentages) compare as exact
-rationals (:func:`parse_number`): ``2.50 == 5/2 == 2\\frac{1}{2}``; ``p%`` equals ``p`` and
-``p/100``; a decimal stands for a non-terminating rational only as its rounding to >= 2 places
-(``0.33`` for 1/3). Against a plain-number gold, an unevaluated calculation (``23 + 50``,
-``3 \\cdot 4``) is not an answer. Everything else goes to math-verify's ``parse``/``verify`` on the
-two whole expressions (``$...$``), with its numeric verdict checked to a relative tolerance
-(:func:`_numerically_distinct`: math-verify alone calls 2^-99 and 2^-100 equal).
-
-**Votes** (:func:`group_answers`): answers are grouped by that equivalence, so ``\\dfrac{1}{2}``,
-``\\frac12``, ``0.5`` and ``1/2`` vote together.
+**Equivalence** and votes: :mod:`arealite.reward.equivalence` (:func:`answers_equivalent`,
+:func:`group_answers`, re-exported here).
 
 math-verify's own signal timeouts are disabled (they work only in the main thread); run the
 reward under :class:`arealite.reward.worker.RewardWorker`, which bounds its time.
@@ -37,14 +31,19 @@ reward under :class:`arealite.reward.worker.RewardWorker`, which bounds its time
 
 from __future__ import annotations
 
-import logging
 import re
 
+from arealite.reward.equivalence import (  # noqa: F401 - answers_equivalent and group_answers are re-exported
+    LOGIC_OR,
+    MAX_ANSWER_CHARS,
+    answers_equivalent,
+    group_answers,
+    math_verify_equal,
+)
 from arealite.reward.forms import ascii_forms
 from arealite.reward.latex import matching_brace, nested_boxes
 from arealite.reward.numbers import (  # noqa: F401 - parse_number and strip_thousands_separators are re-exported
     number_candidates,
-    number_tuple,
     numbers_equal,
     parse_number,
     strip_thousands_separators,
@@ -54,18 +53,14 @@ from arealite.reward.sentences import (
     hedged_value_after,
     hedged_value_before,
     NAMED_EQ_RE,
+    same_angle,
     named_equations,
     unindexed_list,
 )
 
-# math_verify warns on every call that its signal timeouts are disabled: our worker enforces one.
-logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # Only the tail of very long completions is parsed: final answers live at the end.
 MAX_PARSE_CHARS = 20_000
-# Answers (extracted, or gold) longer than this are not given to math-verify (its parser is
-# superlinear on long garbage): they are then equal only when their text is.
-MAX_ANSWER_CHARS = 1_000
 
 # ------------------------------------------------------------------------------------ extraction
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -85,23 +80,8 @@ _GAP_TOKEN = rf"[ \t,;/|()*]|\\[()]|\\(?:quad|qquad|lor|vee)(?![A-Za-z])|{_HEDGE
 _VALUE_AFTER_RE = re.compile(rf"(?:{_GAP_TOKEN}|[{{}}])*(?=[-+]?\d|\\(?:[dt]?frac|sqrt|boxed|fbox)(?![A-Za-z])|[A-Za-z]\s*=)", re.I)
 _GAP_BEFORE_RE = re.compile(rf"(?:{_GAP_TOKEN}|\band\b)*$", re.I)
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
-# LaTeX commands that join two values into something that is not one number ("1000 \cup 7",
-# "3 \to 2", "\cancel{1000} 7"): against a plain-number gold, an answer with two numbers and one
-# of them is no answer.
-_JOINING_COMMANDS = {"cup", "cap", "setminus", "to", "rightarrow", "Rightarrow", "leftarrow", "Leftarrow",
-                     "mapsto", "implies", "iff", "parallel", "perp", "land", "wedge", "sim", "simeq", "ne", "neq",
-                     "le", "leq", "ge", "geq", "lt", "gt", "pm", "mp", "oplus", "otimes", "atop", "choose", "tag",
-                     "cancel", "bcancel", "xcancel", "sout", "not", "ldots", "cdots", "dots", "vdots", "therefore",
-                     "because", "longrightarrow", "Longrightarrow", "leftrightarrow", "Leftrightarrow", "vee", "lor"}
-# A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
-# holding one equals only another holding one, or a single answer equal to all its alternatives.
-_LOGIC_OR = r"\\(?:lor|vee)(?![A-Za-z])"
-_OR_RE = re.compile(_LOGIC_OR + r"|\bor\b")
-# "1.5 | 2", "1.5 \\mid 2": against a plain-number gold no answer (| also writes |x| and set-builder
-# notation, so against any other gold math-verify judges).
-_BAR_RE = re.compile(r"\||\\(?:mid|vert|lvert|rvert)(?![A-Za-z])")
 # A \text{} that is only a connector and values ("1.5 \text{ (or 2)}"): its words are the answer's.
-_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*(?:\(\s*)?(?:or|either)\b[^A-Za-z{}]*)\}")
+_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*(?:\(\s*)?(?:or|either|maybe|perhaps|possibly)\b[^A-Za-z{}]*)\}")
 # A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, semicolons
 # (a list's: "x = 1; x = 2"), spaces.
 _TOKEN_RE = re.compile(r"""
@@ -114,7 +94,7 @@ _TOKEN_RE = re.compile(r"""
 """, re.VERBOSE | re.DOTALL)
 # LaTeX spacing/sizing commands and markup dropped before anything else.
 _NOISE_RE = re.compile(r"(?P<keep>\\\\)|\\(?:left|right|big|Big|bigg|Bigg|displaystyle|textstyle)\b|\\[,;:! ]|\\\$|\$|\*\*|~"
-                       r"|\^\s*\{?\s*\\circ\s*\}?|°")
+                       r"|\^\s*\{?\s*\\circ\s*\}?|°|\\(?:begin|end)\s*\{(?:aligned|align|gathered|gather|split|cases)\*?\}")
 _NUMBER_TOKEN = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 _UNIT_POWER_RE = re.compile(r"\s*[\^_]\s*(?:\{\s*-?\d+\s*\}|-?\d+)")
 # A number, a space, a one-letter unit (5 m, 3 g, 2 h) and its power: the answer is the number.
@@ -183,7 +163,7 @@ def _same_value(a: str, b: str) -> bool:
     if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
         return False
     try:
-        return _math_verify_equal(a, b)
+        return math_verify_equal(a, b)
     except Exception:
         return False
 
@@ -239,8 +219,11 @@ def _other_unknown(rest: str, content: str, before: str) -> bool:
 
 
 def _same_number(value: str, answer: str) -> bool:
-    """Whether a plain number offered beside a box equals the box's answer as a plain number
-    (no math-verify: extraction stays linear)."""
+    """Whether a plain number offered beside a box equals the box's answer as a plain number, or
+    is the same angle in degrees and in radians (:func:`same_angle`); no math-verify: extraction
+    stays linear."""
+    if same_angle(value, answer):
+        return True
     a, b = number_candidates(value), number_candidates(answer)
     return bool(a and b) and any(numbers_equal(x, xt, y, yt) for x, xt in a for y, yt in b)
 
@@ -249,7 +232,7 @@ def _clean_run(run: str) -> str:
     """Trim a math run to its expression: outer spaces, dangling operators/commas/brackets; the
     right-hand side of the last top-level ``=`` / ``\\approx``; a unit's power after a number."""
     s = run.strip()
-    parts = re.split(_LOGIC_OR, s)
+    parts = re.split(LOGIC_OR, s)
     if len(parts) > 1:  # "x = -1 \\lor x = 2": each alternative trimmed (its right-hand side), the hedge kept
         return " \\lor ".join(_clean_run(p) for p in parts)
     s = re.sub(r"\\(?:approx|simeq|equiv)\b", "=", s)
@@ -313,6 +296,8 @@ def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
         return (unit.group(1) if unit else run) or None
     if is_connector(lo - 1):
         lo -= 1  # "either 6 or 7", "between 6 and 7"
+    if {s for k, s in segs[lo:hi + 1] if k == "word"} == {"and"}:  # "2 and -3", "x = 2 \text{ and } x = -3": a list
+        return ", ".join(_clean_run(s) for k, s in segs[lo:hi + 1] if k == "math" and _has_value(s))
     parts = [(_clean_run(s) if k == "math" else s) for k, s in segs[lo:hi + 1]]
     return " ".join(p for p in parts if p)
 
@@ -361,6 +346,11 @@ def extract_final_answer(text: str) -> str | None:
             else:
                 span = first_sentence(span)
             answer = _normalise(span, last=False)
+            value = re.search(r"\d+(?:[.,/]\d+)*", span)  # "The answer is 2, although it could be 3."
+            hedged = answer is None or value is None or re.search(_HEDGE_WORD + "|" + LOGIC_OR, answer)
+            offered = None if hedged else hedged_value_after(_denoise(text[mark.end() + value.end():][:300]))
+            if offered is not None and not _same_number(offered, answer):
+                answer = f"{answer} or {offered}"
         end = mark.start()
         if answer is not None:
             return answer
@@ -418,6 +408,8 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         alone = not re.search(r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", "", sentence))  # no unit, no words
         if not hedged and _other_unknown(rest, content, text[max(0, box.start() - 60):box.start()]):
             other = None  # "$x = \boxed{2}$, $y = 3$": the next unknown's value, not a second answer
+        if re.match(rf"\s*{re.escape(answer)}\s*=", sentence) or same_angle(answer, other or ""):
+            other = None  # "\boxed{6}; 6 = 2 \cdot 3" explains the box, "\boxed{30^\circ}, or \frac{\pi}{6}" restates it
         if other is not None and re.search(r"\d", other) and (hedged or listed) and alone:
             return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
     offered = hedged_value_after(tail)  # "\boxed{2}, although it could be 3"
@@ -429,17 +421,48 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
     offered = hedged_value_before(stem, gap)  # "Answer: 3 or \boxed{2}"
     if offered is not None and not _same_number(offered, answer):
         return f"{offered} or {answer}"
-    if re.search(_HEDGE_WORD, gap, re.I):  # "\boxed{2}. Or maybe \boxed{3}."
-        stem = stem.rstrip(".!?;").rstrip()
-    if stem.endswith("}"):
+    firsts, hedge = _boxes_before(before)
+    if hedge:
+        return f"{firsts[-1]} or {answer}"  # "\boxed{6} or \boxed{7}", "\boxed{3}\boxed{2}"
+    return ", ".join(dict.fromkeys([*firsts, answer]))  # "\boxed{2} and \boxed{-3}": a list of distinct values
+
+
+# A name and "=" right before a box ("$x = \boxed{3}$").
+_EQ_BEFORE_RE = re.compile(rf"(?:{NAMED_EQ_RE.pattern})\s*$")
+
+
+def _boxes_before(before: str) -> tuple[list[str], bool]:
+    """The answers of the boxes that end right before a box (``before``: the de-noised text before
+    it), in order, and whether a hedge joins them: boxes linked by ``,``, ``;`` or "and" form a
+    list (``\boxed{1}, \boxed{2} and \boxed{3}``), other gaps (:data:`_GAP_BEFORE_RE`: a hedge
+    word, ``/``, ``|``, nothing) make the last two a hedge. ``x =`` before each box of one unknown
+    is part of the gap (``$x = \boxed{2}$ or $x = \boxed{3}$``); another unknown's ends the chain."""
+    firsts: list[str] = []
+    while len(firsts) < 8:
+        eq = _EQ_BEFORE_RE.search(before)
+        body = before[:eq.start()] if eq else before
+        cut = _GAP_BEFORE_RE.search(body)
+        stem, gap = body[:cut.start()].rstrip(), body[cut.start():]
+        hedge = bool(re.search(_HEDGE_WORD + r"|[/|]|\\(?:lor|vee)", gap, re.I)) or not re.search(r"[,;]|\band\b", gap)
+        if re.search(_HEDGE_WORD, gap, re.I):  # "\boxed{2}. Or maybe \boxed{3}."
+            stem = stem.rstrip(".!?;").rstrip()
         prev = None
-        for m in _BOX_RE.finditer(stem):
+        for m in _BOX_RE.finditer(stem[-300:]) if stem.endswith("}") else ():
             prev = m
-        if prev is not None and matching_brace(stem, prev.end() - 1) == len(stem) - 1:
-            first = _normalise(stem[prev.end():-1], last=False, whole=True)
-            if first is not None:
-                return f"{first} or {answer}"  # two boxes joined by a hedge
-    return answer
+        start = len(stem) - len(stem[-300:]) + prev.end() if prev else -1
+        if prev is None or matching_brace(stem, start - 1) != len(stem) - 1:
+            break
+        prev_eq = _EQ_BEFORE_RE.search(stem[:start - len(prev.group(0))])
+        if eq and not (prev_eq and prev_eq.group(1) == eq.group(1)):
+            break  # "$x = \boxed{2}$, $y = \boxed{3}$": two unknowns' values
+        first = _normalise(stem[start:-1], last=False, whole=True)
+        if first is None:
+            break
+        firsts.insert(0, first)
+        if hedge:
+            return firsts, True
+        before = stem[:start - len(prev.group(0))]
+    return firsts, False
 
 
 def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
@@ -464,119 +487,3 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
         return None
     return re.sub(r"\s+", " ", expr).strip() or None
 
-
-# ------------------------------------------------------------------------------------ equivalence
-# A calculation: an arithmetic operator between two operands (not a leading sign, not in an exponent).
-_CALCULATION_RE = re.compile(r"(?<=[\w)}\]])\s*(?:[-+*×·÷−]|\\times|\\cdot|\\div)\s*(?=[\w(\\{.])")
-
-
-def _numerically_distinct(a, b) -> bool:
-    """True when sympy numbers ``a`` and ``b`` (no free symbols) differ by more than a relative
-    tolerance: 1e-12 for exact numbers at 50 digits, 1e-4 with a float on either side.
-    math-verify compares ``(a - b).evalf(chop=True) == 0`` with an absolute chop, so 2^-99 and
-    2^-100 would be "equal". Non-numbers (sets, intervals, relations, strings) return False."""
-    try:
-        import sympy
-
-        if not (isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr)):
-            return False
-        if a.free_symbols or b.free_symbols or a.has(sympy.UnevaluatedExpr) or b.has(sympy.UnevaluatedExpr):
-            return False
-        if not (a.is_number and b.is_number):
-            return False
-        x, y = sympy.N(a, 50), sympy.N(b, 50)
-        if not (x.is_real and y.is_real and x.is_finite and y.is_finite):
-            return False
-        tol = 1e-4 if (a.has(sympy.Float) or b.has(sympy.Float)) else 1e-12
-        return bool(abs(x - y) > tol * max(abs(x), abs(y)))
-    except Exception:  # a comparison we cannot judge: keep math-verify's verdict
-        return False
-
-
-def _math_verify_equal(pred: str, gold: str) -> bool:
-    from math_verify import parse, verify
-
-    g = parse("$" + gold + "$", parsing_timeout=None)
-    p = parse("$" + pred + "$", parsing_timeout=None)
-    if not g or not p:
-        return False
-    # Only the parsed objects (index 0), not math-verify's fallback strings: a string match of
-    # "6 or 7" against "7" must never count.
-    return bool(verify([g[0]], [p[0]], timeout_seconds=None)) and not _numerically_distinct(g[0], p[0])
-
-
-def answers_equivalent(pred: str | None, gold: str | None) -> bool:
-    """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
-
-    Args:
-        pred: the model's final answer, e.g. ``"\\frac{1}{2}"``; None never matches.
-        gold: the reference final answer, normalised the same way.
-
-    Returns:
-        True when both are plain numbers with equal exact values (:func:`parse_number`; a
-        percentage also equals its value / 100), or, for anything else, when math-verify's
-        ``verify`` holds on the whole expressions and no relative-precision check vetoes it. A
-        calculation (``23 + 50``) never equals a plain-number gold; a compound hedge never equals
-        anything but the same text, and an answer with a disjunction (``or``, ``\\lor``,
-        ``\\vee``) never equals one without, unless every alternative equals it (``"x+11 or
-        11+x"`` against ``"11+x"``); against a plain number, an answer with ``|`` or ``\\mid``
-        never counts (``1.5 | 2``, ``|-3|``); answers with different numbers of
-        commas (a list against a scalar, a pair against a triple) are never equal. Never raises (a failing comparison is False).
-    """
-    if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
-        return False
-    if pred.replace(" ", "") == gold.replace(" ", ""):
-        return True
-    if pred.count(",") != gold.count(","):
-        return False  # a list / tuple / interval never equals a scalar, nor one of another length
-    if bool(_OR_RE.search(pred)) != bool(_OR_RE.search(gold)):
-        # a hedge never equals a single answer, unless its alternatives all are that answer
-        # ("x+11 or 11+x" against "11+x")
-        hedge, single = (pred, gold) if _OR_RE.search(pred) else (gold, pred)
-        members = [m.strip() for m in _OR_RE.split(hedge)]
-        return len(members) > 1 and all(m and answers_equivalent(m, single) for m in members)
-    try:
-        g, p = number_candidates(gold), number_candidates(pred)
-        if g is not None:
-            if p is not None:
-                return any(numbers_equal(a, at, b, bt) for a, at in p for b, bt in g)
-            if (_CALCULATION_RE.search(pred) or _BAR_RE.search(pred) or re.search(r"\\\\|&", pred)
-                    or re.search(r"\d[{}]*\s+[{}]*\d", pred)  # two numbers side by side: "}{1000} 7"
-                    or (len(re.findall(r"\d+", pred)) > 1  # two values joined by an operator or a stand-in
-                        and (set(re.findall(r"\\([a-zA-Z]+)", pred)) & _JOINING_COMMANDS
-                             or any(ord(c) > 127 and c not in "−×·÷" for c in pred)))
-                    or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred))):
-                return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
-        elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
-            return False
-        gt, pt = number_tuple(gold), number_tuple(pred)
-        if gt is not None and pt is not None:  # (1, 2) vs (1,2): brackets and values, in order
-            return gt[0] == pt[0] and len(gt[1]) == len(pt[1]) and all(
-                any(numbers_equal(x, xt, y, yt) for x, xt in a for y, yt in b) for a, b in zip(pt[1], gt[1]))
-        if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
-            return False
-        return _math_verify_equal(pred, gold)
-    except Exception:
-        return False
-
-
-def group_answers(answers: list[str | None]) -> list[int | None]:
-    """Group extracted answers by :func:`answers_equivalent`: one group id per answer (the index of
-    the group's first member), None for a missing answer. ``["\\frac{1}{2}", "0.5", "3", "1/2"]``
-    -> ``[0, 0, 2, 0]``. Each answer joins the first earlier group whose first member it equals.
-
-    Cost: one comparison per (answer, group) pair."""
-    reps: list[int] = []
-    out: list[int | None] = []
-    for i, a in enumerate(answers):
-        if a is None:
-            out.append(None)
-            continue
-        for r in reps:
-            if answers_equivalent(a, answers[r]) or answers_equivalent(answers[r], a):
-                out.append(r)
-                break
-        else:
-            reps.append(i)
-            out.append(i)
-    return out

@@ -7,6 +7,7 @@ offered in words beside a box (``\\boxed{2}, although it could be 3``; ``Answer:
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from arealite.reward.latex import top_level
 
@@ -25,8 +26,8 @@ _ROOT_NAME_RE = re.compile(r"(x|y|z|t|r|\\theta)_\{?([1-9])\}?")  # x_0, t_0: an
 # A plain value: an integer, a decimal, a/b or a \frac of two integers.
 _VALUE = r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|[-+]?\\[dt]?frac\s*\{\s*-?\d+\s*\}\s*\{\s*\d+\s*\}"
 _VALUE_TAIL = r"[\s)]*[.!?]?[\s)]*$"  # after the value: nothing but brackets and a stop
-_MODAL = (r"\b(?:it|this|the\s+(?:answer|result|value)|answer)\s+(?:could|might|may)\s+"
-          r"(?:also\s+|well\s+|instead\s+|even\s+)?be")
+_MODAL = (r"\b(?:it|this|the\s+(?:answer|result|value)|answer)\s+(?:could|might|may|should)\s+"
+          r"(?:(?:also|well|instead|even|potentially|possibly|perhaps|actually)\s+)?be")
 # A second value offered in words in the rest of the box's sentence: a modal after its subject
 # (", although it could be 3", ", but the result might also be 3") or a hedge word right after
 # the box (", though perhaps 3"; not "divided by 2, 3, 4, or 6").
@@ -40,7 +41,8 @@ _CONDITION_RE = re.compile(r"\b(?:if|since|because|for|when|whenever|otherwise|u
 # also be 3.)"; not "If order mattered, the result might be 24.").
 _NEXT_SENTENCE_RE = re.compile(
     rf"^[\s(]*(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|then\s+again)\s*,?\s+)*"
-    rf"(?:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b)[\s:=(,]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
+    rf"(?:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b(?:\s+(?:it|this|the\s+answer)(?:'s|\s+is))?)"
+    rf"[\s:=(,]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
 _INLINE_MATH_RE = re.compile(r"\\[()\[\]]")  # \( \) \[ \]: math delimiters, read as blanks
 _SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n")
 _BLANK_RE = re.compile(r"(?:\\[\])]|[$.!?\s])*")  # a piece of only math delimiters and stops
@@ -132,3 +134,21 @@ def hedged_value_before(stem: str, gap: str) -> str | None:
         return None
     m = _MARKED_VALUE_RE.search(stem.rstrip())
     return m.group("value") if m else None
+
+
+_DEGREES_RE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*")
+_PI_MULTIPLE_RE = re.compile(r"\s*(-)?\s*(?:\\frac\s*\{\s*(\d*)\s*\\pi\s*\}\s*\{\s*(\d+)\s*\}|(\d*)\s*\\pi(?:\s*/\s*(\d+))?)\s*")
+
+
+def same_angle(a: str, b: str) -> bool:
+    r"""Whether one of two de-noised answers (degree signs removed) is a number of degrees and the
+    other the same angle as a rational multiple of pi: ``30`` and ``\frac{\pi}{6}``, ``180`` and
+    ``\pi``, ``-90`` and ``-\pi/2`` (a restatement in radians, not a second answer)."""
+    for deg, rad in ((a, b), (b, a)):
+        d, r = _DEGREES_RE.fullmatch(deg), _PI_MULTIPLE_RE.fullmatch(rad)
+        if d and r:
+            sign, frac_num, frac_den, num, den = r.groups()
+            turns = Fraction(int(frac_num or num or 1), int(frac_den or den or 1)) * (-1 if sign else 1)
+            if Fraction(d.group(1)) == 180 * turns:
+                return True
+    return False

@@ -1,0 +1,166 @@
+"""When two final answers (:func:`arealite.reward.answer.extract_final_answer`) are the same answer,
+for the math reward, the evaluator and majority voting.
+
+**Equivalence** (:func:`answers_equivalent`). Plain numbers (integers, decimals, ``a/b``,
+``\\frac``/``\\dfrac``/``\\tfrac``/``\\frac12``, mixed numbers, percentages) compare as exact
+rationals (:func:`parse_number`): ``2.50 == 5/2 == 2\\frac{1}{2}``; ``p%`` equals ``p`` and
+``p/100``; a decimal stands for a non-terminating rational only as its rounding to >= 2 places
+(``0.33`` for 1/3). Against a plain-number gold, an unevaluated calculation (``23 + 50``,
+``3 \\cdot 4``) is not an answer. Everything else goes to math-verify's ``parse``/``verify`` on the
+two whole expressions (``$...$``), with its numeric verdict checked to a relative tolerance
+(:func:`_numerically_distinct`: math-verify alone calls 2^-99 and 2^-100 equal).
+
+**Votes** (:func:`group_answers`): answers are grouped by that equivalence, so ``\\dfrac{1}{2}``,
+``\\frac12``, ``0.5`` and ``1/2`` vote together.
+
+math-verify's own signal timeouts are disabled (they work only in the main thread); run the
+reward under :class:`arealite.reward.worker.RewardWorker`, which bounds its time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from arealite.reward.numbers import number_candidates, number_tuple, numbers_equal
+
+# math_verify warns on every call that its signal timeouts are disabled: our worker enforces one.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+# Answers (extracted, or gold) longer than this are not given to math-verify (its parser is
+# superlinear on long garbage): they are then equal only when their text is.
+MAX_ANSWER_CHARS = 1_000
+
+# LaTeX commands that join two values into something that is not one number ("1000 \cup 7",
+# "3 \to 2", "\cancel{1000} 7"): against a plain-number gold, an answer with two numbers and one
+# of them is no answer.
+_JOINING_COMMANDS = {"cup", "cap", "setminus", "to", "rightarrow", "Rightarrow", "leftarrow", "Leftarrow",
+                     "mapsto", "implies", "iff", "parallel", "perp", "land", "wedge", "sim", "simeq", "ne", "neq",
+                     "le", "leq", "ge", "geq", "lt", "gt", "pm", "mp", "oplus", "otimes", "atop", "choose", "tag",
+                     "cancel", "bcancel", "xcancel", "sout", "not", "ldots", "cdots", "dots", "vdots", "therefore",
+                     "because", "longrightarrow", "Longrightarrow", "leftrightarrow", "Leftrightarrow", "vee", "lor"}
+# A disjunction: "6 or 7", "1.5 \\lor 2", "1.5 \\vee 2" (a hedge in words or logic symbols): an answer
+# holding one equals only another holding one, or a single answer equal to all its alternatives.
+LOGIC_OR = r"\\(?:lor|vee)(?![A-Za-z])"
+_OR_RE = re.compile(LOGIC_OR + r"|\bor\b")
+# "1.5 | 2", "1.5 \\mid 2": against a plain-number gold no answer (| also writes |x| and set-builder
+# notation, so against any other gold math-verify judges).
+_BAR_RE = re.compile(r"\||\\(?:mid|vert|lvert|rvert)(?![A-Za-z])")
+# A calculation: an arithmetic operator between two operands (not a leading sign, not in an exponent).
+_CALCULATION_RE = re.compile(r"(?<=[\w)}\]])\s*(?:[-+*×·÷−]|\\times|\\cdot|\\div)\s*(?=[\w(\\{.])")
+
+
+def _numerically_distinct(a, b) -> bool:
+    """True when sympy numbers ``a`` and ``b`` (no free symbols) differ by more than a relative
+    tolerance: 1e-12 for exact numbers at 50 digits, 1e-4 with a float on either side.
+    math-verify compares ``(a - b).evalf(chop=True) == 0`` with an absolute chop, so 2^-99 and
+    2^-100 would be "equal". Non-numbers (sets, intervals, relations, strings) return False."""
+    try:
+        import sympy
+
+        if not (isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr)):
+            return False
+        if a.free_symbols or b.free_symbols or a.has(sympy.UnevaluatedExpr) or b.has(sympy.UnevaluatedExpr):
+            return False
+        if not (a.is_number and b.is_number):
+            return False
+        x, y = sympy.N(a, 50), sympy.N(b, 50)
+        if not (x.is_real and y.is_real and x.is_finite and y.is_finite):
+            return False
+        tol = 1e-4 if (a.has(sympy.Float) or b.has(sympy.Float)) else 1e-12
+        return bool(abs(x - y) > tol * max(abs(x), abs(y)))
+    except Exception:  # a comparison we cannot judge: keep math-verify's verdict
+        return False
+
+
+def math_verify_equal(pred: str, gold: str) -> bool:
+    """Whether math-verify's ``verify`` holds on ``pred`` and ``gold`` (each parsed as ``$...$``,
+    its first parsed object only) and :func:`_numerically_distinct` does not veto it. Unbounded
+    in time (no signal timeouts): call it under the reward worker. May raise what math-verify
+    raises; callers catch."""
+    from math_verify import parse, verify
+
+    g = parse("$" + gold + "$", parsing_timeout=None)
+    p = parse("$" + pred + "$", parsing_timeout=None)
+    if not g or not p:
+        return False
+    # Only the parsed objects (index 0), not math-verify's fallback strings: a string match of
+    # "6 or 7" against "7" must never count.
+    return bool(verify([g[0]], [p[0]], timeout_seconds=None)) and not _numerically_distinct(g[0], p[0])
+
+
+def answers_equivalent(pred: str | None, gold: str | None) -> bool:
+    """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
+
+    Args:
+        pred: the model's final answer, e.g. ``"\\frac{1}{2}"``; None never matches.
+        gold: the reference final answer, normalised the same way.
+
+    Returns:
+        True when both are plain numbers with equal exact values (:func:`parse_number`; a
+        percentage also equals its value / 100), or, for anything else, when math-verify's
+        ``verify`` holds on the whole expressions and no relative-precision check vetoes it. A
+        calculation (``23 + 50``) never equals a plain-number gold; a compound hedge never equals
+        anything but the same text, and an answer with a disjunction (``or``, ``\\lor``,
+        ``\\vee``) never equals one without, unless every alternative equals it (``"x+11 or
+        11+x"`` against ``"11+x"``); against a plain number, an answer with ``|`` or ``\\mid``
+        never counts (``1.5 | 2``, ``|-3|``); answers with different numbers of
+        commas (a list against a scalar, a pair against a triple) are never equal. Never raises (a failing comparison is False).
+    """
+    if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
+        return False
+    if pred.replace(" ", "") == gold.replace(" ", ""):
+        return True
+    if pred.count(",") != gold.count(","):
+        return False  # a list / tuple / interval never equals a scalar, nor one of another length
+    if bool(_OR_RE.search(pred)) != bool(_OR_RE.search(gold)):
+        # a hedge never equals a single answer, unless its alternatives all are that answer
+        # ("x+11 or 11+x" against "11+x")
+        hedge, single = (pred, gold) if _OR_RE.search(pred) else (gold, pred)
+        members = [m.strip() for m in _OR_RE.split(hedge)]
+        return len(members) > 1 and all(m and answers_equivalent(m, single) for m in members)
+    try:
+        g, p = number_candidates(gold), number_candidates(pred)
+        if g is not None:
+            if p is not None:
+                return any(numbers_equal(a, at, b, bt) for a, at in p for b, bt in g)
+            if (_CALCULATION_RE.search(pred) or _BAR_RE.search(pred) or re.search(r"\\\\|&", pred)
+                    or re.search(r"\d[{}]*\s+[{}]*\d", pred)  # two numbers side by side: "}{1000} 7"
+                    or (len(re.findall(r"\d+", pred)) > 1  # two values joined by an operator or a stand-in
+                        and (set(re.findall(r"\\([a-zA-Z]+)", pred)) & _JOINING_COMMANDS
+                             or any(ord(c) > 127 and c not in "−×·÷" for c in pred)))
+                    or re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", pred))):
+                return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
+        elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
+            return False
+        gt, pt = number_tuple(gold), number_tuple(pred)
+        if gt is not None and pt is not None:  # (1, 2) vs (1,2): brackets and values, in order
+            return gt[0] == pt[0] and len(gt[1]) == len(pt[1]) and all(
+                any(numbers_equal(x, xt, y, yt) for x, xt in a for y, yt in b) for a, b in zip(pt[1], gt[1]))
+        if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+            return False
+        return math_verify_equal(pred, gold)
+    except Exception:
+        return False
+
+
+def group_answers(answers: list[str | None]) -> list[int | None]:
+    """Group extracted answers by :func:`answers_equivalent`: one group id per answer (the index of
+    the group's first member), None for a missing answer. ``["\\frac{1}{2}", "0.5", "3", "1/2"]``
+    -> ``[0, 0, 2, 0]``. Each answer joins the first earlier group whose first member it equals.
+
+    Cost: one comparison per (answer, group) pair."""
+    reps: list[int] = []
+    out: list[int | None] = []
+    for i, a in enumerate(answers):
+        if a is None:
+            out.append(None)
+            continue
+        for r in reps:
+            if answers_equivalent(a, answers[r]) or answers_equivalent(answers[r], a):
+                out.append(r)
+                break
+        else:
+            reps.append(i)
+            out.append(i)
+    return out
