@@ -114,7 +114,7 @@ def test_extract_gsm8k_answer():
         ("The answer is 1,000.", "1000"),
         ("I think 12... no wait, 13", "13"),
         ("57.", "57"),
-        ("x = -7 and 3.25", "-7, 3.25"),  # two values joined by "and": one compound answer
+        ("x = -7 and 3.25", "-7, 3.25"),  # two values joined by "and": a list
         ("it fell to -0.25.", "-0.25"),
         ("1,234,567 people", "1234567"),
         ("3-4", "3-4"),  # a calculation, whole
@@ -242,7 +242,12 @@ def test_explanations_around_a_box_and_unicode_forms_keep_the_answer(text, gold)
  ("$x = \\boxed{2}$ or $x = \\boxed{3}$", "3"), ("\\boxed{1}, \\boxed{2} or \\boxed{3}", "3"),
  ("The answer is 2, although it could be 3.", "2"), ("The answer is 2 apples, but it might be 3.", "2"), ("#### 72\nIt might be 70.", "72"),
  ("\\boxed{2}, although it could potentially be 3.", "2"), ("\\boxed{2}. Maybe it's 3.", "2"), ("\\boxed{2}. The answer should be 3.", "2"),
- ("\\boxed{2 \\text{ (maybe 3)}}", "2"), ("\\boxed{30^\\circ}, or \\frac{\\pi}{4}", "30")])
+ ("\\boxed{2 \\text{ (maybe 3)}}", "2"), ("\\boxed{30^\\circ}, or \\frac{\\pi}{4}", "30"),
+ ("\\boxed{6}, or 6 = 2 \\cdot 3 = 7", "6"), ("\\boxed{6} or 6 = 7", "6"), ("\\boxed{6}; 6 = 6, 7", "6"),
+ ("\\boxed{30}, or \\frac{\\pi}{6}; 45", "30"), ("The answer is \\pi, although it could be 3.", "\\pi"),
+ ("The answer is $\\pi$. It might be 3.", "\\pi"), ("$x \\approx \\boxed{2}$ or $x \\approx \\boxed{3}$", "3"),
+ ("So $\\boxed{x = 2}$ or $x = \\boxed{3}$.", "3"), ("\\boxed{2 \\text{ or maybe 3}}", "2"), ("\\boxed{2 \\text{, maybe 3}}", "2"),
+ ("\\boxed{\\frac{\\pi}{6}}, although it could be \\frac{\\pi}{3}", "\\frac{\\pi}{6}")])
 def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
     assert math_reward(text, gold) == 0.0, extract_final_answer(text)
 
@@ -270,7 +275,9 @@ def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
  ("\\boxed{-90^\\circ}, or -\\pi/2", "-90"), ("\\boxed{\\begin{aligned} a &= 3 \\end{aligned}}", "3"),
  ("The answer is $\\boxed{6}$; 6 = 2 \\cdot 3.", "6"), ("The answer is 12, and doubling it would be 24.", "12"),
  ("The answer is 5. If order mattered, the answer could be 10.", "5"), ("$x = \\boxed{2}$, $y = \\boxed{3}$", "3"),
- ("(a) \\boxed{2} and (b) \\boxed{3}", "3"), ("\\boxed{2} and \\boxed{2}", "2"), ("The answer is 3, which could be 3.0", "3")])
+ ("(a) \\boxed{2} and (b) \\boxed{3}", "3"), ("\\boxed{2} and \\boxed{2}", "2"), ("The answer is 3, which could be 3.0", "3"),
+ ("\\boxed{2} and \\boxed{2.0}", "2"), ("\\boxed{12 \\text{ (maybe 12.0)}}", "12"), ("\\boxed{\\frac{\\pi}{6}}, or \\frac{\\pi}{6}", "\\frac{\\pi}{6}"),
+ ("\\boxed{\\frac{\\pi}{6}}. It could also be written as \\frac{\\pi}{6}.", "\\frac{\\pi}{6}")])
 def test_restatements_explanations_and_other_numbered_names_keep_the_box(text, gold):
     assert math_reward(text, gold) == 1.0, extract_final_answer(text)
 
@@ -564,3 +571,26 @@ def test_prewarm_imports_the_reward_module_in_a_worker_before_any_call(tmp_path,
         assert w.stats["calls"] == 1 and w.stats["ok"] == 1
     with pytest.raises(RuntimeError, match="closed"):
         w.prewarm(prewarm_fns.one)
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    # a list of solutions is neither the open interval nor the point with those ends
+    ("So the solutions are $x = \\boxed{1}$ and $x = \\boxed{4}$.", "(1,4)", 0.0), ("\\boxed{x=1, x=4}", "(1,4)", 0.0),
+    ("The answer is $x = 1$ and $x = 4$.", "(1,4)", 0.0), ("The answer is 4 and 1.", "[1, 4)", 0.0),
+    # an interval keeps its mixed brackets
+    ("\\boxed{[1, 4)}", "(1, 4]", 0.0), ("\\boxed{(1, 4]}", "(1, 4]", 1.0), ("\\boxed{[0, \\infty)}", "[0,\\infty)", 1.0),
+    ("\\boxed{(1, 4)}", "(1,4)", 1.0), ("\\boxed{1, 4}", "4, 1", 1.0), ("\\boxed{\\{1, 4\\}}", "1, 4", 1.0),
+    # a piecewise answer is compared row by row and cell by cell (math-verify calls any two equal)
+    ("\\boxed{\\begin{cases} 5x & x<0 \\\\ 3 & x\\ge 0\\end{cases}}", "\\begin{cases} 2x & x<0 \\\\ 3 & x\\ge 0\\end{cases}", 0.0),
+    ("\\boxed{\\begin{cases} 2x & \\text{if } x<0 \\\\ 3 & x\\geq 0\\end{cases}}", "\\begin{cases} 2x & x<0 \\\\ 3 & x\\ge 0\\end{cases}", 1.0),
+    ("\\boxed{\\begin{cases} 2x & x<0 \\\\ 3 & \\text{otherwise}\\end{cases}}",
+     "\\begin{cases} 2x & \\text{if } x<0 \\\\ 3 & \\text{otherwise} \\end{cases}", 1.0),
+    ("\\boxed{\\begin{cases} 2x & x<0 \\\\ 4 & \\text{otherwise}\\end{cases}}",
+     "\\begin{cases} 2x & \\text{if } x<0 \\\\ 3 & \\text{otherwise} \\end{cases}", 0.0)])
+def test_lists_intervals_points_and_piecewise_answers_keep_their_shape(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
+def test_an_angle_offered_with_a_zero_denominator_never_raises():
+    for text in ("\\boxed{\\frac{\\pi}{0}}, although it could be 30", "The answer is \\pi/0, although it could be 3."):
+        assert extract_final_answer(text) is not None

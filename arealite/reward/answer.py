@@ -52,6 +52,7 @@ from arealite.reward.sentences import (
     first_sentence,
     hedged_value_after,
     hedged_value_before,
+    EQ_BEFORE_RE,
     NAMED_EQ_RE,
     same_angle,
     named_equations,
@@ -70,7 +71,8 @@ _TEXT_MARKER_RE = re.compile(
     r"####|\bfinal\s+answer\b\s*(?:is\b|:|=)\s*:?"
     r"|\bthe\s+(?:final\s+)?answer\s+(?:is|was|would\s+be|will\s+be)\b\s*:?"
     r"|^[ \t*#>_-]*answer\s*[*_]*\s*[:=]\s*[*_]*", re.I | re.M)
-# A hedge joins two expressions into one compound answer ("6 or 7", "6 and 7", "1, 2, 7").
+# Words that join values: a hedge makes one compound answer ("6 or 7", "between 6 and 7"); "and"
+# alone makes a list ("6 and 7" reads "6, 7").
 _CONNECTORS = {"or", "and", "either", "between", "maybe", "perhaps", "possibly"}
 # Between an answer and another value it is hedged with, within one sentence: spaces, commas,
 # semicolons, slashes, bars, brackets, LaTeX spacing and "or" symbols, hedge words
@@ -81,7 +83,7 @@ _VALUE_AFTER_RE = re.compile(rf"(?:{_GAP_TOKEN}|[{{}}])*(?=[-+]?\d|\\(?:[dt]?fra
 _GAP_BEFORE_RE = re.compile(rf"(?:{_GAP_TOKEN}|\band\b)*$", re.I)
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
 # A \text{} that is only a connector and values ("1.5 \text{ (or 2)}"): its words are the answer's.
-_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*(?:\(\s*)?(?:or|either|maybe|perhaps|possibly)\b[^A-Za-z{}]*)\}")
+_TEXT_HEDGE_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{(\s*(?:[,(]\s*)?(?:(?:or|either|maybe|perhaps|possibly)\b\s*)+[^A-Za-z{}]*)\}")
 # A run of math: numbers, LaTeX commands, single letters, operators, brackets, commas, semicolons
 # (a list's: "x = 1; x = 2"), spaces.
 _TOKEN_RE = re.compile(r"""
@@ -150,6 +152,7 @@ def _has_value(run: str) -> bool:
 # What may trail a listed value before the next "x =": separators, bars, LaTeX spaces, "and".
 _LIST_TAIL_RE = re.compile(r"(?:[\s,;|&~$]|\\[\\&]|\\(?:mid|vert|lvert|rvert|quad|qquad)(?![A-Za-z])"
                            r"|\\(?:text|mbox|textrm|mathrm)\s*\{[\s,;]*(?:and)?[\s,;]*\})+$")
+_INTERVAL_RE = re.compile(r"[(\[][^()\[\]{}]*,[^()\[\]{}]*[)\]]")
 # Working between two equations: a chain, not a list ("x = 10/2 \implies x = 5").
 _WORKING_RE = re.compile(r"\\(?:implies|impliedby|iff|Rightarrow|Longrightarrow|rightarrow|longrightarrow|to|"
                          r"therefore|because|Leftrightarrow)(?![A-Za-z])")
@@ -222,7 +225,7 @@ def _same_number(value: str, answer: str) -> bool:
     """Whether a plain number offered beside a box equals the box's answer as a plain number, or
     is the same angle in degrees and in radians (:func:`same_angle`); no math-verify: extraction
     stays linear."""
-    if same_angle(value, answer):
+    if value.replace(" ", "") == answer.replace(" ", "") or same_angle(value, answer):
         return True
     a, b = number_candidates(value), number_candidates(answer)
     return bool(a and b) and any(numbers_equal(x, xt, y, yt) for x, xt in a for y, yt in b)
@@ -249,6 +252,8 @@ def _clean_run(run: str) -> str:
         s = s[last_eq + 1:]
     s = s.strip().strip(",;").strip()
     s = re.sub(r"^[*/^_=<>,;]+|[-+*/^_=<>,;(\[]+$", "", s).strip()
+    if _INTERVAL_RE.fullmatch(s):
+        return s  # "(1, 4]", "[0, \infty)": an interval's mixed brackets are its own
     # Unbalanced closing brackets at the end (a sentence's "(... 72)") are not the answer's.
     while s and s[-1] in ")]}" and s.count(s[-1]) > s.count({")": "(", "]": "[", "}": "{"}[s[-1]]):
         s = s[:-1].rstrip()
@@ -346,9 +351,8 @@ def extract_final_answer(text: str) -> str | None:
             else:
                 span = first_sentence(span)
             answer = _normalise(span, last=False)
-            value = re.search(r"\d+(?:[.,/]\d+)*", span)  # "The answer is 2, although it could be 3."
-            hedged = answer is None or value is None or re.search(_HEDGE_WORD + "|" + LOGIC_OR, answer)
-            offered = None if hedged else hedged_value_after(_denoise(text[mark.end() + value.end():][:300]))
+            hedged = answer is None or re.search(_HEDGE_WORD + "|" + LOGIC_OR, answer)  # "The answer is 2, although it could be 3."
+            offered = None if hedged else hedged_value_after(_denoise(text[mark.end():mark.end() + 300]))
             if offered is not None and not _same_number(offered, answer):
                 answer = f"{answer} or {offered}"
         end = mark.start()
@@ -408,8 +412,10 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         alone = not re.search(r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", "", sentence))  # no unit, no words
         if not hedged and _other_unknown(rest, content, text[max(0, box.start() - 60):box.start()]):
             other = None  # "$x = \boxed{2}$, $y = 3$": the next unknown's value, not a second answer
-        if re.match(rf"\s*{re.escape(answer)}\s*=", sentence) or same_angle(answer, other or ""):
-            other = None  # "\boxed{6}; 6 = 2 \cdot 3" explains the box, "\boxed{30^\circ}, or \frac{\pi}{6}" restates it
+        explains = not hedged and re.match(rf"\s*{re.escape(answer)}\s*=[^,;]*$", sentence) and not (
+            number_candidates(other or "") and not _same_number(other, answer))  # "\boxed{6}; 6 = 2 \cdot 3"
+        if (explains or same_angle(answer, other or "")) and not rest[len(sentence):].startswith(";"):
+            other = None  # explains or restates the box ("\boxed{30^\circ}, or \frac{\pi}{6}"), and ends its sentence
         if other is not None and re.search(r"\d", other) and (hedged or listed) and alone:
             return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
     offered = hedged_value_after(tail)  # "\boxed{2}, although it could be 3"
@@ -424,11 +430,12 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
     firsts, hedge = _boxes_before(before)
     if hedge:
         return f"{firsts[-1]} or {answer}"  # "\boxed{6} or \boxed{7}", "\boxed{3}\boxed{2}"
-    return ", ".join(dict.fromkeys([*firsts, answer]))  # "\boxed{2} and \boxed{-3}": a list of distinct values
+    distinct: list[str] = []
+    for v in [*firsts, answer]:  # "\boxed{2} and \boxed{-3}": a list of its distinct values
+        if not any(_same_number(v, d) for d in distinct):
+            distinct.append(v)
+    return ", ".join(distinct)
 
-
-# A name and "=" right before a box ("$x = \boxed{3}$").
-_EQ_BEFORE_RE = re.compile(rf"(?:{NAMED_EQ_RE.pattern})\s*$")
 
 
 def _boxes_before(before: str) -> tuple[list[str], bool]:
@@ -439,7 +446,7 @@ def _boxes_before(before: str) -> tuple[list[str], bool]:
     is part of the gap (``$x = \boxed{2}$ or $x = \boxed{3}$``); another unknown's ends the chain."""
     firsts: list[str] = []
     while len(firsts) < 8:
-        eq = _EQ_BEFORE_RE.search(before)
+        eq = EQ_BEFORE_RE.search(before)
         body = before[:eq.start()] if eq else before
         cut = _GAP_BEFORE_RE.search(body)
         stem, gap = body[:cut.start()].rstrip(), body[cut.start():]
@@ -452,7 +459,7 @@ def _boxes_before(before: str) -> tuple[list[str], bool]:
         start = len(stem) - len(stem[-300:]) + prev.end() if prev else -1
         if prev is None or matching_brace(stem, start - 1) != len(stem) - 1:
             break
-        prev_eq = _EQ_BEFORE_RE.search(stem[:start - len(prev.group(0))])
+        prev_eq = EQ_BEFORE_RE.search(stem[:start - len(prev.group(0))]) or NAMED_EQ_RE.match(stem[start:].lstrip())
         if eq and not (prev_eq and prev_eq.group(1) == eq.group(1)):
             break  # "$x = \boxed{2}$, $y = \boxed{3}$": two unknowns' values
         first = _normalise(stem[start:-1], last=False, whole=True)
@@ -472,15 +479,17 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     *between* two of its values other than a hedge ("3qr + 6q", "3:1", "4:30 p.m."), the whole
     text is the answer, not its first value."""
     text = strip_thousands_separators(_denoise(span))
-    text = _TEXT_HEDGE_RE.sub(r" \1 ", text)  # "1.5 \text{ (or 2)}" -> "1.5 (or 2)": a hedge, not a unit
+    text = _TEXT_HEDGE_RE.sub(lambda m: " " + re.sub(r"\b(?:(?:or|either|maybe|perhaps|possibly)\b\s*)+", "or ", m.group(1)) + " ", text)
+    # "1.5 \text{ (or 2)}" -> "1.5 (or 2)", "\text{, maybe 3}" -> ", or 3": a hedge, not a unit
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", text)  # \frac12
     text = re.sub(r"(?<=\S)\s+(?=\\%)", "", text).replace("\\%", "%")  # "50 \\%" (linear on long blanks)
     text = re.sub(r"(\d)\s*(?:percent|per\s+cent)\b", r"\1%", text)
     segs = _segments(text)
     values = [i for i, (k, v) in enumerate(segs) if k == "math" and _has_value(v)]
-    if whole and len(values) > 1 and any(
-            k == "stop" or (k == "word" and v not in _CONNECTORS) for k, v in segs[values[0]:values[-1]]):
+    rows = values and len(segs) > 1 and re.search(r"\\\\|&", text)  # rows and cells with words: a piecewise answer
+    if whole and (rows or len(values) > 1 and any(
+            k == "stop" or (k == "word" and v not in _CONNECTORS) for k, v in segs[values[0]:values[-1]])):
         return re.sub(r"\s+", " ", _clean_run(text)).strip() or None
     expr = _expression(segs, last)
     if expr is None:

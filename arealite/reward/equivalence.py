@@ -89,6 +89,27 @@ def math_verify_equal(pred: str, gold: str) -> bool:
     return bool(verify([g[0]], [p[0]], timeout_seconds=None)) and not _numerically_distinct(g[0], p[0])
 
 
+def _same_cells(pred: str, gold: str) -> bool:
+    """Rows (``\\\\``) and cells (``&``) of a piecewise answer (its ``cases`` environment
+    removed), compared cell by cell in order with :func:`answers_equivalent`: the same shape and
+    every cell equal (math-verify alone calls any two piecewise answers equal); at most 16 rows."""
+    def cell(c: str) -> str:  # "\\text{if } x<0" -> "x<0"; "\\text{otherwise}" -> "otherwise"
+        c = re.sub(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}", r" \1 ", c)
+        return " ".join(re.sub(r"\b(?:if|for|when|where)\b", " ", c).split())
+
+    def cells(s: str) -> list[list[str]]:
+        return [[cell(c) for c in row.split("&")] for row in re.split(r"\\\\", s) if row.strip()]
+
+    p, g = cells(pred), cells(gold)
+    return len(p) == len(g) <= 16 and all(len(a) == len(b) and all(x == y or answers_equivalent(x, y) for x, y in zip(a, b))
+                                    for a, b in zip(p, g))
+
+
+def _bracketed(s: str) -> bool:
+    s = s.strip()
+    return s[:1] in ("(", "[") and s[-1:] in (")", "]")
+
+
 def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
 
@@ -105,7 +126,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         ``\\vee``) never equals one without, unless every alternative equals it (``"x+11 or
         11+x"`` against ``"11+x"``); against a plain number, an answer with ``|`` or ``\\mid``
         never counts (``1.5 | 2``, ``|-3|``); answers with different numbers of
-        commas (a list against a scalar, a pair against a triple) are never equal. Never raises (a failing comparison is False).
+        commas (a list against a scalar, a pair against a triple) are never equal, nor a bare list
+        and a bracketed tuple or interval (``1, 4`` against ``(1, 4)``). Never raises (a failing comparison is False).
     """
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
         return False
@@ -113,6 +135,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return True
     if pred.count(",") != gold.count(","):
         return False  # a list / tuple / interval never equals a scalar, nor one of another length
+    if "," in pred and _bracketed(pred) != _bracketed(gold):
+        return False  # the solutions "1, 4" are neither the interval nor the point (1, 4)
     if bool(_OR_RE.search(pred)) != bool(_OR_RE.search(gold)):
         # a hedge never equals a single answer, unless its alternatives all are that answer
         # ("x+11 or 11+x" against "11+x")
@@ -133,6 +157,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
                 return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
         elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
             return False
+        if re.search(r"\\\\|&", pred + gold) and "\\begin" not in pred + gold:
+            return max(len(pred), len(gold)) <= MAX_ANSWER_CHARS and _same_cells(pred, gold)  # a piecewise function: "2x & x<0 \\ 3 & x \ge 0"
         gt, pt = number_tuple(gold), number_tuple(pred)
         if gt is not None and pt is not None:  # (1, 2) vs (1,2): brackets and values, in order
             return gt[0] == pt[0] and len(gt[1]) == len(pt[1]) and all(

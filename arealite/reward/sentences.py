@@ -19,12 +19,15 @@ _NAME = rf"((?:[A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\
 # A named unknown before its "=" (or aligned "&="); :func:`named_equations` keeps those that
 # start an equation (at the start, or after a separator, a row break or a LaTeX command).
 NAMED_EQ_RE = re.compile(rf"{_NAME}\s*(?:&\s*)?=(?!=)")
+# A name and "=" (or "\approx") right before a box: "$x = \boxed{3}$", "$x \approx \boxed{3}$".
+EQ_BEFORE_RE = re.compile(rf"{_NAME}\s*(?:&\s*)?(?:=|\\approx(?![A-Za-z]))\s*$")
 _EQ_START_RE = re.compile(r"(?:^|[,;|&~$]|\\\\|\\[A-Za-z]+)$")
 # The unknowns whose numbered names list roots or solutions in a box (x_1, x_{2}, \theta_1).
 _ROOT_NAME_RE = re.compile(r"(x|y|z|t|r|\\theta)_\{?([1-9])\}?")  # x_0, t_0: an initial value
 
-# A plain value: an integer, a decimal, a/b or a \frac of two integers.
-_VALUE = r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|[-+]?\\[dt]?frac\s*\{\s*-?\d+\s*\}\s*\{\s*\d+\s*\}"
+# A plain value: an integer, a decimal, a/b, a \frac of two integers, or a rational multiple of pi.
+_VALUE = (r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|[-+]?\\[dt]?frac\s*\{\s*-?\d+\s*\}\s*\{\s*\d+\s*\}"
+          r"|[-+]?\\[dt]?frac\s*\{\s*\d*\s*\\pi\s*\}\s*\{\s*\d+\s*\}|[-+]?\d*\s*\\pi(?:\s*/\s*\d+)?(?![A-Za-z])")
 _VALUE_TAIL = r"[\s)]*[.!?]?[\s)]*$"  # after the value: nothing but brackets and a stop
 _MODAL = (r"\b(?:it|this|the\s+(?:answer|result|value)|answer)\s+(?:could|might|may|should)\s+"
           r"(?:(?:also|well|instead|even|potentially|possibly|perhaps|actually)\s+)?be")
@@ -148,6 +151,8 @@ def same_angle(a: str, b: str) -> bool:
         d, r = _DEGREES_RE.fullmatch(deg), _PI_MULTIPLE_RE.fullmatch(rad)
         if d and r:
             sign, frac_num, frac_den, num, den = r.groups()
+            if int(frac_den or den or 1) == 0:
+                continue
             turns = Fraction(int(frac_num or num or 1), int(frac_den or den or 1)) * (-1 if sign else 1)
             if Fraction(d.group(1)) == 180 * turns:
                 return True
