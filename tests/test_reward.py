@@ -247,7 +247,8 @@ def test_explanations_around_a_box_and_unicode_forms_keep_the_answer(text, gold)
  ("\\boxed{30}, or \\frac{\\pi}{6}; 45", "30"), ("The answer is \\pi, although it could be 3.", "\\pi"),
  ("The answer is $\\pi$. It might be 3.", "\\pi"), ("$x \\approx \\boxed{2}$ or $x \\approx \\boxed{3}$", "3"),
  ("So $\\boxed{x = 2}$ or $x = \\boxed{3}$.", "3"), ("\\boxed{2 \\text{ or maybe 3}}", "2"), ("\\boxed{2 \\text{, maybe 3}}", "2"),
- ("\\boxed{\\frac{\\pi}{6}}, although it could be \\frac{\\pi}{3}", "\\frac{\\pi}{6}")])
+ ("\\boxed{\\frac{\\pi}{6}}, although it could be \\frac{\\pi}{3}", "\\frac{\\pi}{6}"),
+ ("The answer is 72. I think it should be 70.", "72")])
 def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
     assert math_reward(text, gold) == 0.0, extract_final_answer(text)
 
@@ -277,7 +278,8 @@ def test_a_value_offered_in_words_beside_a_box_is_a_hedge(text, gold):
  ("The answer is 5. If order mattered, the answer could be 10.", "5"), ("$x = \\boxed{2}$, $y = \\boxed{3}$", "3"),
  ("(a) \\boxed{2} and (b) \\boxed{3}", "3"), ("\\boxed{2} and \\boxed{2}", "2"), ("The answer is 3, which could be 3.0", "3"),
  ("\\boxed{2} and \\boxed{2.0}", "2"), ("\\boxed{12 \\text{ (maybe 12.0)}}", "12"), ("\\boxed{\\frac{\\pi}{6}}, or \\frac{\\pi}{6}", "\\frac{\\pi}{6}"),
- ("\\boxed{\\frac{\\pi}{6}}. It could also be written as \\frac{\\pi}{6}.", "\\frac{\\pi}{6}")])
+ ("\\boxed{\\frac{\\pi}{6}}. It could also be written as \\frac{\\pi}{6}.", "\\frac{\\pi}{6}"),
+ ("\\boxed{150^\\circ}, or $\\frac{5}{6}\\pi$", "150")])
 def test_restatements_explanations_and_other_numbered_names_keep_the_box(text, gold):
     assert math_reward(text, gold) == 1.0, extract_final_answer(text)
 
@@ -586,7 +588,24 @@ def test_prewarm_imports_the_reward_module_in_a_worker_before_any_call(tmp_path,
     ("\\boxed{\\begin{cases} 2x & x<0 \\\\ 3 & \\text{otherwise}\\end{cases}}",
      "\\begin{cases} 2x & \\text{if } x<0 \\\\ 3 & \\text{otherwise} \\end{cases}", 1.0),
     ("\\boxed{\\begin{cases} 2x & x<0 \\\\ 4 & \\text{otherwise}\\end{cases}}",
-     "\\begin{cases} 2x & \\text{if } x<0 \\\\ 3 & \\text{otherwise} \\end{cases}", 0.0)])
+     "\\begin{cases} 2x & \\text{if } x<0 \\\\ 3 & \\text{otherwise} \\end{cases}", 0.0),
+    # intervals with fractions keep their brackets, so an "and"-list of their ends never pays
+    ("\\boxed{x = 1.5 \\text{ and } x = 2}", "\\left[ \\frac{3}{2}, 2 \\right)", 0.0),
+    ("\\boxed{\\frac{3}{5}} and \\boxed{\\frac{8}{3}}", "\\left(\\frac{3}{5},\\frac{8}{3}\\right]", 0.0),
+    ("\\boxed{[1.5, 2)}", "\\left[ \\frac{3}{2}, 2 \\right)", 1.0), ("\\boxed{(1.5, 2)}", "\\left[ \\frac{3}{2}, 2 \\right)", 0.0),
+    ("\\boxed{(-\\infty, 2] \\cup (5, 7)}", "(-\\infty, 2] \\cup (5, 7]", 0.0),
+    ("\\boxed{[-2, 7]}", "x \\in [-2,7]", 1.0), ("\\boxed{\\{(1,2),(3,4)\\}}", "(1,2),(3,4)", 1.0),
+    # piecewise: dcases and \left\{ array \right. too; "=" in a condition; rows in another order; "otherwise", commas
+    ("\\boxed{\\begin{dcases} 5x & x \\ge 7 \\\\ 1 & x < 0 \\end{dcases}}", "\\begin{cases} x^2 & x \\ge 0 \\\\ -x & x < 0 \\end{cases}", 0.0),
+    ("\\boxed{\\left\\{\\begin{array}{ll} x^2 & x \\ge 0 \\\\ -x & x < 0 \\end{array}\\right.}",
+     "\\begin{cases} x^2 & x \\ge 0 \\\\ -x & x < 0 \\end{cases}", 1.0),
+    ("\\boxed{\\begin{cases} 5 & x = 0 \\\\ 0 & x \\neq 0 \\end{cases}}", "\\begin{cases} 1 & x = 0 \\\\ 0 & x \\neq 0 \\end{cases}", 0.0),
+    ("\\boxed{\\begin{cases} -x & x < 0 \\\\ x^2 & x \\ge 0 \\end{cases}}", "\\begin{cases} x^2 & x \\ge 0 \\\\ -x & x < 0 \\end{cases}", 1.0),
+    ("\\boxed{\\begin{cases} x^2, & x \\ge 0 \\\\ -x, & \\text{otherwise} \\end{cases}}",
+     "\\begin{cases} x^2 & x \\ge 0 \\\\ -x & x < 0 \\end{cases}", 1.0),
+    ("\\boxed{\\begin{pmatrix} 1 \\\\ 3 \\end{pmatrix}}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", 0.0),
+    ("\\boxed{\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", 1.0),
+    ("\\boxed{\\left[\\begin{array}{cc} 1 & 2 \\\\ 3 & 5 \\end{array}\\right]}", "\\left[\\begin{array}{cc} 1 & 2 \\\\ 3 & 4 \\end{array}\\right]", 0.0)])
 def test_lists_intervals_points_and_piecewise_answers_keep_their_shape(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
 

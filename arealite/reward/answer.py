@@ -94,9 +94,13 @@ _TOKEN_RE = re.compile(r"""
   | (?P<math>[A-Za-z+\-*/^_=<>()\[\]{}%,;|!&×·÷−]|\s+)
   | (?P<other>.)
 """, re.VERBOSE | re.DOTALL)
-# LaTeX spacing/sizing commands and markup dropped before anything else.
-_NOISE_RE = re.compile(r"(?P<keep>\\\\)|\\(?:left|right|big|Big|bigg|Bigg|displaystyle|textstyle)\b|\\[,;:! ]|\\\$|\$|\*\*|~"
-                       r"|\^\s*\{?\s*\\circ\s*\}?|°|\\(?:begin|end)\s*\{(?:aligned|align|gathered|gather|split|cases)\*?\}")
+# LaTeX spacing/sizing commands and markup dropped before anything else, with the environments
+# that only lay out rows (aligned, cases, array; a piecewise "\left\{ \begin{array}{ll} ... \end{array} \right."
+# entirely): their rows and cells are compared one by one (:mod:`arealite.reward.equivalence`).
+_NOISE_RE = re.compile(r"(?P<keep>\\\\)|\\left\s*\\\{\s*\\begin\s*\{array\}\s*\{[^{}]*\}|\\end\s*\{array\}\s*\\right\s*\."
+                       r"|\\(?:left|right|big|Big|bigg|Bigg|displaystyle|textstyle)\b|\\[,;:! ]|\\\$|\$|\*\*|~"
+                       r"|\^\s*\{?\s*\\circ\s*\}?|°|\\(?:begin|end)\s*\{(?:aligned|align|gathered|gather|split|[dr]?cases)\*?\}"
+                       r"|\\begin\s*\{array\}\s*\{[^{}]*\}|\\end\s*\{array\}")
 _NUMBER_TOKEN = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 _UNIT_POWER_RE = re.compile(r"\s*[\^_]\s*(?:\{\s*-?\d+\s*\}|-?\d+)")
 # A number, a space, a one-letter unit (5 m, 3 g, 2 h) and its power: the answer is the number.
@@ -152,7 +156,6 @@ def _has_value(run: str) -> bool:
 # What may trail a listed value before the next "x =": separators, bars, LaTeX spaces, "and".
 _LIST_TAIL_RE = re.compile(r"(?:[\s,;|&~$]|\\[\\&]|\\(?:mid|vert|lvert|rvert|quad|qquad)(?![A-Za-z])"
                            r"|\\(?:text|mbox|textrm|mathrm)\s*\{[\s,;]*(?:and)?[\s,;]*\})+$")
-_INTERVAL_RE = re.compile(r"[(\[][^()\[\]{}]*,[^()\[\]{}]*[)\]]")
 # Working between two equations: a chain, not a list ("x = 10/2 \implies x = 5").
 _WORKING_RE = re.compile(r"\\(?:implies|impliedby|iff|Rightarrow|Longrightarrow|rightarrow|longrightarrow|to|"
                          r"therefore|because|Leftrightarrow)(?![A-Za-z])")
@@ -238,7 +241,7 @@ def _clean_run(run: str) -> str:
     parts = re.split(LOGIC_OR, s)
     if len(parts) > 1:  # "x = -1 \\lor x = 2": each alternative trimmed (its right-hand side), the hedge kept
         return " \\lor ".join(_clean_run(p) for p in parts)
-    s = re.sub(r"\\(?:approx|simeq|equiv)\b", "=", s)
+    s = re.sub(r"\\(?:approx|simeq|equiv|in)\b", "=", s)  # "x \in [-2, 7]": the set
     values = _listed_values(s)
     if values:  # "x=1, x=2", "x=1 \\mid x=2": the values as a list (one value: itself)
         return ", ".join(_clean_run(v) for v in values)
@@ -248,18 +251,27 @@ def _clean_run(run: str) -> str:
         depth -= c in ")]}"
         if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
             last_eq = i
-    if last_eq >= 0:
+    if last_eq >= 0 and not re.search(r"&(?!\s*=)", s):  # "5 & x = 0 \\ 0 & x \neq 0": a piecewise answer's conditions
         s = s[last_eq + 1:]
     s = s.strip().strip(",;").strip()
     s = re.sub(r"^[*/^_=<>,;]+|[-+*/^_=<>,;(\[]+$", "", s).strip()
-    if _INTERVAL_RE.fullmatch(s):
-        return s  # "(1, 4]", "[0, \infty)": an interval's mixed brackets are its own
-    # Unbalanced closing brackets at the end (a sentence's "(... 72)") are not the answer's.
-    while s and s[-1] in ")]}" and s.count(s[-1]) > s.count({")": "(", "]": "[", "}": "{"}[s[-1]]):
+    # Unbalanced closing brackets at the end (a sentence's "(... 72)") are not the answer's; "(" and
+    # "[" open one class, so an interval keeps its mixed brackets ("(1, 4]", "(-\infty, 2] \cup (5, 7]").
+    while s and s[-1] in ")]}" and _unbalanced(s, s[-1]):
         s = s[:-1].rstrip()
-    while s and s[0] in "([{" and s.count(s[0]) > s.count({"(": ")", "[": "]", "{": "}"}[s[0]]):
+    while s and s[0] in "([{" and _unbalanced(s, s[0]):
         s = s[1:].lstrip()
     return s
+
+
+def _unbalanced(s: str, bracket: str) -> bool:
+    """Whether ``s`` holds more brackets of ``bracket``'s side than of the other: "(" and "[" count
+    as one kind, "{" as another."""
+    if bracket in "{}":
+        return s.count(bracket) > s.count("}" if bracket == "{" else "{")
+    opened = s.count("(") + s.count("[")
+    closed = s.count(")") + s.count("]")
+    return closed > opened if bracket in ")]" else opened > closed
 
 
 def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:

@@ -19,6 +19,7 @@ reward under :class:`arealite.reward.worker.RewardWorker`, which bounds its time
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 
@@ -91,23 +92,44 @@ def math_verify_equal(pred: str, gold: str) -> bool:
 
 def _same_cells(pred: str, gold: str) -> bool:
     """Rows (``\\\\``) and cells (``&``) of a piecewise answer (its ``cases`` environment
-    removed), compared cell by cell in order with :func:`answers_equivalent`: the same shape and
-    every cell equal (math-verify alone calls any two piecewise answers equal); at most 16 rows."""
-    def cell(c: str) -> str:  # "\\text{if } x<0" -> "x<0"; "\\text{otherwise}" -> "otherwise"
+    removed), compared cell by cell with :func:`answers_equivalent`: the same shape and every cell
+    equal, the rows in order or (up to 4 rows) in any order; "if", "when", "is" and ``\\text{}``
+    wrappers and trailing commas are dropped from cells, and "otherwise" in the last row stands
+    for any condition (math-verify alone calls any two piecewise answers equal); at most 16 rows."""
+    def cell(c: str) -> str:  # "\\text{if } x<0," -> "x<0"; "\\text{otherwise}" -> "otherwise"
         c = re.sub(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}", r" \1 ", c)
-        return " ".join(re.sub(r"\b(?:if|for|when|where)\b", " ", c).split())
+        return " ".join(re.sub(r"\b(?:if|for|when|where|is|are)\b", " ", c).split()).strip(" ,.;")
+
+    def same_row(a: list[str], b: list[str], last: bool) -> bool:  # "otherwise" is the last row's condition
+        return len(a) == len(b) and all(x == y or answers_equivalent(x, y) or (last and j and "otherwise" in (x, y))
+                                        for j, (x, y) in enumerate(zip(a, b)))
 
     def cells(s: str) -> list[list[str]]:
         return [[cell(c) for c in row.split("&")] for row in re.split(r"\\\\", s) if row.strip()]
 
     p, g = cells(pred), cells(gold)
-    return len(p) == len(g) <= 16 and all(len(a) == len(b) and all(x == y or answers_equivalent(x, y) for x, y in zip(a, b))
-                                    for a, b in zip(p, g))
+    if not len(p) == len(g) <= 16:
+        return False
+    if all(same_row(a, b, i == len(p) - 1) for i, (a, b) in enumerate(zip(p, g))):
+        return True
+    if len(p) > 4:
+        return False
+    match = [[same_row(a, b, False) for b in g] for a in p]  # rows in another order
+    return any(all(match[i][j] for i, j in enumerate(order)) for order in itertools.permutations(range(len(g))))
 
 
 def _bracketed(s: str) -> bool:
+    """Whether ``s`` is one bracketed group, "(" or "[" to ")" or "]": ``(1, 4]`` is, ``(1,2),(3,4)``
+    and ``(A), (C)`` are lists of groups."""
     s = s.strip()
-    return s[:1] in ("(", "[") and s[-1:] in (")", "]")
+    if s[:1] not in ("(", "[") or s[-1:] not in (")", "]"):
+        return False
+    depth = 0
+    for i, c in enumerate(s):
+        depth += (c in "([") - (c in ")]")
+        if depth == 0:
+            return i == len(s) - 1
+    return False
 
 
 def answers_equivalent(pred: str | None, gold: str | None) -> bool:
@@ -133,6 +155,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return False
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return True
+    if re.search(r"\\\\|&", pred + gold) and "\\begin" not in pred + gold:  # a piecewise function: "2x & x<0 \\ 3 & x \ge 0"
+        return max(len(pred), len(gold)) <= MAX_ANSWER_CHARS and _same_cells(pred, gold)
     if pred.count(",") != gold.count(","):
         return False  # a list / tuple / interval never equals a scalar, nor one of another length
     if "," in pred and _bracketed(pred) != _bracketed(gold):
@@ -157,8 +181,6 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
                 return False  # "23 + 50" / "6 or 7" / "1.5 | 2" / "|-3|" against a number: not an answer
         elif p is not None and re.search(r"[A-Za-z]{2,}", re.sub(r"\\[a-zA-Z]+", "", gold)):
             return False
-        if re.search(r"\\\\|&", pred + gold) and "\\begin" not in pred + gold:
-            return max(len(pred), len(gold)) <= MAX_ANSWER_CHARS and _same_cells(pred, gold)  # a piecewise function: "2x & x<0 \\ 3 & x \ge 0"
         gt, pt = number_tuple(gold), number_tuple(pred)
         if gt is not None and pt is not None:  # (1, 2) vs (1,2): brackets and values, in order
             return gt[0] == pt[0] and len(gt[1]) == len(pt[1]) and all(

@@ -27,7 +27,8 @@ _ROOT_NAME_RE = re.compile(r"(x|y|z|t|r|\\theta)_\{?([1-9])\}?")  # x_0, t_0: an
 
 # A plain value: an integer, a decimal, a/b, a \frac of two integers, or a rational multiple of pi.
 _VALUE = (r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|[-+]?\\[dt]?frac\s*\{\s*-?\d+\s*\}\s*\{\s*\d+\s*\}"
-          r"|[-+]?\\[dt]?frac\s*\{\s*\d*\s*\\pi\s*\}\s*\{\s*\d+\s*\}|[-+]?\d*\s*\\pi(?:\s*/\s*\d+)?(?![A-Za-z])")
+          r"|[-+]?\\[dt]?frac\s*\{\s*\d*\s*\\pi\s*\}\s*\{\s*\d+\s*\}|[-+]?(?:\\[dt]?frac\s*\{\s*\d+\s*\}\s*\{\s*\d+\s*\}|\d*)\s*\\pi"
+          r"(?:\s*/\s*\d+)?(?![A-Za-z])")
 _VALUE_TAIL = r"[\s)]*[.!?]?[\s)]*$"  # after the value: nothing but brackets and a stop
 _MODAL = (r"\b(?:it|this|the\s+(?:answer|result|value)|answer)\s+(?:could|might|may|should)\s+"
           r"(?:(?:also|well|instead|even|potentially|possibly|perhaps|actually)\s+)?be")
@@ -43,7 +44,7 @@ _CONDITION_RE = re.compile(r"\b(?:if|since|because|for|when|whenever|otherwise|u
 # 3.", "Or maybe 3.", "Alternatively, the answer could be 3.", "Wait, it might be 3.", "(It may
 # also be 3.)"; not "If order mattered, the result might be 24.").
 _NEXT_SENTENCE_RE = re.compile(
-    rf"^[\s(]*(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|then\s+again)\s*,?\s+)*"
+    rf"^[\s(]*(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|then\s+again|i\s+think)\s*,?\s+)*"
     rf"(?:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b(?:\s+(?:it|this|the\s+answer)(?:'s|\s+is))?)"
     rf"[\s:=(,]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
 _INLINE_MATH_RE = re.compile(r"\\[()\[\]]")  # \( \) \[ \]: math delimiters, read as blanks
@@ -140,7 +141,8 @@ def hedged_value_before(stem: str, gap: str) -> str | None:
 
 
 _DEGREES_RE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*")
-_PI_MULTIPLE_RE = re.compile(r"\s*(-)?\s*(?:\\frac\s*\{\s*(\d*)\s*\\pi\s*\}\s*\{\s*(\d+)\s*\}|(\d*)\s*\\pi(?:\s*/\s*(\d+))?)\s*")
+_PI_MULTIPLE_RE = re.compile(r"\s*(-)?\s*(?:\\frac\s*\{\s*(\d*)\s*\\pi\s*\}\s*\{\s*(\d+)\s*\}|(\d*)\s*\\pi(?:\s*/\s*(\d+))?"
+                             r"|\\frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}\s*\\pi)\s*")
 
 
 def same_angle(a: str, b: str) -> bool:
@@ -150,7 +152,8 @@ def same_angle(a: str, b: str) -> bool:
     for deg, rad in ((a, b), (b, a)):
         d, r = _DEGREES_RE.fullmatch(deg), _PI_MULTIPLE_RE.fullmatch(rad)
         if d and r:
-            sign, frac_num, frac_den, num, den = r.groups()
+            sign, frac_num, frac_den, num, den, coef_num, coef_den = r.groups()
+            frac_num, frac_den = frac_num or coef_num, frac_den or coef_den
             if int(frac_den or den or 1) == 0:
                 continue
             turns = Fraction(int(frac_num or num or 1), int(frac_den or den or 1)) * (-1 if sign else 1)
