@@ -5,7 +5,8 @@ against its own answer, and (almost) never against another problem's answer.
 
 Prints, per data set: solutions scored, the share that score 1 against their own answer (GSM8K:
 the solution as written with its '####' line, then with the line replaced by "The answer is X."
-and by a \\boxed{X}), the misses with what was extracted, and the share of (solution i, answer
+and by a \\boxed{X}; MATH: the solution, and each gold that is a plain number as a model would
+box it, ``\\boxed{p/q}``), the misses with what was extracted, and the share of (solution i, answer
 i+shift) pairs whose answers differ in value that score 1 (false positives), and the time taken.
 Needs the data files (not shipped with arealite); exits with a message when they are missing.
 """
@@ -18,7 +19,7 @@ import os
 import sys
 import time
 
-from arealite.reward.answer import answers_equivalent, extract_final_answer, normalise_gold
+from arealite.reward.answer import answers_equivalent, extract_final_answer, normalise_gold, parse_number
 from arealite.reward.math import extract_gsm8k_answer, math_reward
 
 
@@ -59,7 +60,15 @@ def main() -> None:
         pairs += [(r["answer"], gold), (reasoning + f"\nThe answer is {gold}.", gold),
                   (reasoning + f"\\boxed{{{gold}}}", gold)]
     _report("GSM8K test (3 forms each)", pairs, shift=3)
-    _report("MATH test", [(r["solution"], r["answer"]) for r in _rows(math)])
+    rows = _rows(math)
+    _report("MATH test", [(r["solution"], r["answer"]) for r in rows])
+    # Golds that are plain numbers, answered as a model writes them: "\boxed{10080}" for MATH's
+    # "10,\!080", "\boxed{7/2}" for "\frac72" (a gold the reward cannot read pays no one).
+    plain = [(r["answer"], parse_number(normalise_gold(r["answer"]) or "")) for r in rows]
+    plain = [(a, v[0]) for a, v in plain if v is not None]
+    _report("MATH test, plain-number golds as \\boxed{p/q}",
+            [(f"So the answer is $\\boxed{{{v.numerator}{'/' + str(v.denominator) if v.denominator > 1 else ''}}}$.", a)
+             for a, v in plain])
 
 
 if __name__ == "__main__":

@@ -613,3 +613,30 @@ def test_lists_intervals_points_and_piecewise_answers_keep_their_shape(text, gol
 def test_an_angle_offered_with_a_zero_denominator_never_raises():
     for text in ("\\boxed{\\frac{\\pi}{0}}, although it could be 30", "The answer is \\pi/0, although it could be 3."):
         assert extract_final_answer(text) is not None
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    # MATH writes thousands with a thin space: "10,\\!080" is 10080, never the list "10, 080"
+    ("\\boxed{10080}", "10,\\!080", 1.0), ("The answer is 10,080.", "10,\\!080", 1.0), ("#### 10080", "10,\\!080", 1.0),
+    ("\\boxed{1,\\!500}", "1500", 1.0), ("\\boxed{1, 500}", "1,\\!500", 0.0), ("The answer is 1 and 500.", "1,\\!500", 0.0),
+    # an equation of an expression in unknowns is the answer, not its right-hand side
+    ("\\boxed{0}", "20x + 23y + 26z - 69 = 0", 0.0), ("\\boxed{x + y + z - 1 = 0}", "20x + 23y + 26z - 69 = 0", 0.0),
+    ("\\boxed{40x + 46y + 52z = 138}", "20x + 23y + 26z - 69 = 0", 1.0), ("\\boxed{1}", "\\frac{x^2}{16} - \\frac{y^2}{9} = 1", 0.0),
+    ("\\boxed{a + b = 8}", "8", 1.0), ("\\boxed{y = 2x + 3}", "y = 2x+3", 1.0), ("\\boxed{y = 2x + 4}", "y = 2x + 3", 0.0),
+    # choice letters and one-word answers after "The answer is"
+    ("The answer is (C).", "\\text{(C)}", 1.0), ("The answer is C.", "\\text{(C)}", 1.0), ("Answer: C", "\\text{(C)}", 1.0),
+    ("The answer is (B).", "\\text{(C)}", 0.0), ("The 100th day is a Sunday. The answer is Sunday.", "\\text{Sunday}", 1.0),
+    ("The answer is Monday.", "\\text{Sunday}", 0.0), ("The answer is C or D.", "\\text{(C)}", 0.0),
+    # piecewise rows without "&", "else"
+    ("\\boxed{\\begin{cases} x^2 \\quad \\text{if } x \\ge 0 \\\\ -x \\quad \\text{if } x < 0 \\end{cases}}",
+     "\\begin{cases} x^2 & \\text{if } x \\ge 0 \\\\ -x & \\text{if } x < 0 \\end{cases}", 1.0),
+    ("\\boxed{\\begin{cases} x^2 & x \\ge 0 \\\\ -x & \\text{else} \\end{cases}}",
+     "\\begin{cases} x^2 & \\text{if } x \\ge 0 \\\\ -x & \\text{if } x < 0 \\end{cases}", 1.0),
+    ("\\boxed{\\begin{cases} x^2 & x \\ge 0 \\\\ -x & x < 5 \\end{cases}}",
+     "\\begin{cases} x^2 & x \\ge 0 \\\\ -x & \\text{otherwise} \\end{cases}", 0.0),
+    # one value written twice is no hedge; two values are
+    ("The answer is 75%, or 0.75.", "75", 1.0), ("The answer is 75% or 0.75 or 75.", "75", 0.0),
+    ("So the answer is $\\boxed{50\\%}$, or $\\frac{1}{2}$.", "50", 1.0), ("\\boxed{x = 5 \\text{ and } y = 5}", "5", 1.0),
+    ("The answer is 5 and 6.", "5", 0.0)])
+def test_thin_space_thousands_equation_golds_choice_letters_and_piecewise_rows(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)

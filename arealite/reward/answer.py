@@ -53,6 +53,7 @@ from arealite.reward.sentences import (
     hedged_value_after,
     hedged_value_before,
     EQ_BEFORE_RE,
+    GREEK,
     NAMED_EQ_RE,
     same_angle,
     named_equations,
@@ -101,6 +102,9 @@ _NOISE_RE = re.compile(r"(?P<keep>\\\\)|\\left\s*\\\{\s*\\begin\s*\{array\}\s*\{
                        r"|\\(?:left|right|big|Big|bigg|Bigg|displaystyle|textstyle)\b|\\[,;:! ]|\\\$|\$|\*\*|~"
                        r"|\^\s*\{?\s*\\circ\s*\}?|°|\\(?:begin|end)\s*\{(?:aligned|align|gathered|gather|split|[dr]?cases)\*?\}"
                        r"|\\begin\s*\{array\}\s*\{[^{}]*\}|\\end\s*\{array\}")
+# A textual answer without a value: a choice letter ("(C)", "C") or one capitalised word ("Sunday").
+_WORD_ANSWER_RE = re.compile(r"[\s*$]*(?:(\([A-Z]\)|[A-Z])|([A-Z][a-z]+))[\s*$]*[.!]?\s*")
+_THIN_SPACE_IN_NUMBER_RE = re.compile(r"(?<=\d)(,?)\s*\\[,!]\s*(?=\d{3}(?!\d))")
 _NUMBER_TOKEN = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 _UNIT_POWER_RE = re.compile(r"\s*[\^_]\s*(?:\{\s*-?\d+\s*\}|-?\d+)")
 # A number, a space, a one-letter unit (5 m, 3 g, 2 h) and its power: the answer is the number.
@@ -108,7 +112,9 @@ _LETTER_UNIT_RE = re.compile(r"^([-+]?(?:\d+(?:\.\d+)?|\.\d+))\s+[mgshlLKVWJNA](
 
 
 def _denoise(text: str) -> str:
-    """:data:`_NOISE_RE` matches replaced by a space; a LaTeX row break ``\\\\`` is kept."""
+    """:data:`_NOISE_RE` matches replaced by a space; a LaTeX row break ``\\\\`` is kept, and a thin
+    space inside a number is deleted (MATH's ``10,\\!080`` and ``10\\,080`` are 10,080)."""
+    text = _THIN_SPACE_IN_NUMBER_RE.sub(r"\1", text)
     return _NOISE_RE.sub(lambda m: m.group(0) if m.group("keep") else " ", text)
 
 
@@ -245,14 +251,18 @@ def _clean_run(run: str) -> str:
     values = _listed_values(s)
     if values:  # "x=1, x=2", "x=1 \\mid x=2": the values as a list (one value: itself)
         return ", ".join(_clean_run(v) for v in values)
-    depth, last_eq = 0, -1
+    depth, last_eq, lhs_start, start, eq_start = 0, -1, 0, 0, 0
     for i, c in enumerate(s):
         depth += c in "([{"
         depth -= c in ")]}"
+        if c in ",;" and depth == 0:
+            start = lhs_start = i + 1
         if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
-            last_eq = i
+            last_eq, lhs_start, eq_start = i, last_eq + 1 if last_eq >= start else start, start
     if last_eq >= 0 and not re.search(r"&(?!\s*=)", s):  # "5 & x = 0 \\ 0 & x \neq 0": a piecewise answer's conditions
-        s = s[last_eq + 1:]
+        # The right-hand side answers after a name or a calculation ("x = 5", "3n = 12", "48 + 24 = 72");
+        # an equation of an expression in unknowns is the answer ("20x + 23y + 26z - 69 = 0", "a + b = 8").
+        s = s[eq_start:] if _variable_expression(s[lhs_start:last_eq]) else s[last_eq + 1:]
     s = s.strip().strip(",;").strip()
     s = re.sub(r"^[*/^_=<>,;]+|[-+*/^_=<>,;(\[]+$", "", s).strip()
     # Unbalanced closing brackets at the end (a sentence's "(... 72)") are not the answer's; "(" and
@@ -262,6 +272,16 @@ def _clean_run(run: str) -> str:
     while s and s[0] in "([{" and _unbalanced(s, s[0]):
         s = s[1:].lstrip()
     return s
+
+
+def _variable_expression(lhs: str) -> bool:
+    """Whether an equation's left-hand side is an expression in unknowns (a letter or a Greek
+    letter and an operator: ``x^2 + y^2``, ``\\frac{x}{2} - y``), not a name (``x``, ``f(x)``,
+    ``3n``, ``m\\angle ABC``) or a calculation (``48 + 24``)."""
+    t = re.sub(r"\\(?:d|t)?frac|\\(?:cdot|times|div|sqrt)(?![A-Za-z])", "*", lhs)
+    t = re.sub(rf"\\(?:{GREEK})(?![A-Za-z])", " v ", t)
+    t = re.sub(r"\\[A-Za-z]+", " ", t).strip().lstrip("-+ ")
+    return bool(re.search(r"[A-Za-z]", t) and re.search(r"[-+*/^]", t))
 
 
 def _unbalanced(s: str, bracket: str) -> bool:
@@ -314,7 +334,7 @@ def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
     if is_connector(lo - 1):
         lo -= 1  # "either 6 or 7", "between 6 and 7"
     if {s for k, s in segs[lo:hi + 1] if k == "word"} == {"and"}:  # "2 and -3", "x = 2 \text{ and } x = -3": a list
-        return ", ".join(_clean_run(s) for k, s in segs[lo:hi + 1] if k == "math" and _has_value(s))
+        return _distinct([_clean_run(s) for k, s in segs[lo:hi + 1] if k == "math" and _has_value(s)])
     parts = [(_clean_run(s) if k == "math" else s) for k, s in segs[lo:hi + 1]]
     return " ".join(p for p in parts if p)
 
@@ -363,6 +383,9 @@ def extract_final_answer(text: str) -> str | None:
             else:
                 span = first_sentence(span)
             answer = _normalise(span, last=False)
+            if answer is None:  # "The answer is (C).", "The answer is Sunday."
+                word = _WORD_ANSWER_RE.fullmatch(_TEXT_WRAP_RE.sub(r"\1", span))
+                answer = word and (word.group(1) or word.group(2))
             hedged = answer is None or re.search(_HEDGE_WORD + "|" + LOGIC_OR, answer)  # "The answer is 2, although it could be 3."
             offered = None if hedged else hedged_value_after(_denoise(text[mark.end():mark.end() + 300]))
             if offered is not None and not _same_number(offered, answer):
@@ -426,8 +449,8 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
             other = None  # "$x = \boxed{2}$, $y = 3$": the next unknown's value, not a second answer
         explains = not hedged and re.match(rf"\s*{re.escape(answer)}\s*=[^,;]*$", sentence) and not (
             number_candidates(other or "") and not _same_number(other, answer))  # "\boxed{6}; 6 = 2 \cdot 3"
-        if (explains or same_angle(answer, other or "")) and not rest[len(sentence):].startswith(";"):
-            other = None  # explains or restates the box ("\boxed{30^\circ}, or \frac{\pi}{6}"), and ends its sentence
+        if (explains or _same_number(other or "", answer)) and not rest[len(sentence):].startswith(";"):
+            other = None  # explains or restates the box ("\boxed{30^\circ}, or \frac{\pi}{6}", "\boxed{50\%}, or \frac12")
         if other is not None and re.search(r"\d", other) and (hedged or listed) and alone:
             return f"{answer} or {other}"  # "\boxed{2} (or maybe 3)", "\boxed{2}, 3."
     offered = hedged_value_after(tail)  # "\boxed{2}, although it could be 3"
@@ -442,8 +465,13 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
     firsts, hedge = _boxes_before(before)
     if hedge:
         return f"{firsts[-1]} or {answer}"  # "\boxed{6} or \boxed{7}", "\boxed{3}\boxed{2}"
+    return _distinct([*firsts, answer])  # "\boxed{2} and \boxed{-3}": a list of its distinct values
+
+
+def _distinct(values: list[str]) -> str:
+    """``values`` joined as a list, each value once (``5 and 5`` is 5; plain numbers by value)."""
     distinct: list[str] = []
-    for v in [*firsts, answer]:  # "\boxed{2} and \boxed{-3}": a list of its distinct values
+    for v in values:
         if not any(_same_number(v, d) for d in distinct):
             distinct.append(v)
     return ", ".join(distinct)

@@ -93,19 +93,27 @@ def math_verify_equal(pred: str, gold: str) -> bool:
 def _same_cells(pred: str, gold: str) -> bool:
     """Rows (``\\\\``) and cells (``&``) of a piecewise answer (its ``cases`` environment
     removed), compared cell by cell with :func:`answers_equivalent`: the same shape and every cell
-    equal, the rows in order or (up to 4 rows) in any order; "if", "when", "is" and ``\\text{}``
-    wrappers and trailing commas are dropped from cells, and "otherwise" in the last row stands
-    for any condition (math-verify alone calls any two piecewise answers equal); at most 16 rows."""
-    def cell(c: str) -> str:  # "\\text{if } x<0," -> "x<0"; "\\text{otherwise}" -> "otherwise"
-        c = re.sub(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}", r" \1 ", c)
-        return " ".join(re.sub(r"\b(?:if|for|when|where|is|are)\b", " ", c).split()).strip(" ,.;")
+    equal, the rows in order or (up to 4 rows) in any order; a row without ``&`` splits at a
+    ``\\quad`` or an "if"; "if", "when", "is" and ``\\text{}`` wrappers and trailing commas are
+    dropped from cells, and the prediction's "otherwise" ("else") in the last row stands for any
+    condition (math-verify alone calls any two piecewise answers equal); at most 16 rows."""
+    def cell(c: str) -> str:  # "if x<0," -> "x<0"; "else", "elsewhere" -> "otherwise"
+        c = " ".join(re.sub(r"\b(?:if|for|when|where|is|are)\b", " ", c).split()).strip(" ,.;")
+        return "otherwise" if c in ("else", "elsewhere") else c
 
-    def same_row(a: list[str], b: list[str], last: bool) -> bool:  # "otherwise" is the last row's condition
-        return len(a) == len(b) and all(x == y or answers_equivalent(x, y) or (last and j and "otherwise" in (x, y))
+    def same_row(a: list[str], b: list[str], last: bool) -> bool:  # the prediction's "otherwise" ends it
+        return len(a) == len(b) and all(x == y or answers_equivalent(x, y) or (last and j and x == "otherwise")
                                         for j, (x, y) in enumerate(zip(a, b)))
 
-    def cells(s: str) -> list[list[str]]:
-        return [[cell(c) for c in row.split("&")] for row in re.split(r"\\\\", s) if row.strip()]
+    def cells(s: str) -> list[list[str]]:  # cells split by "&", or by a \quad or an "if" in a row without "&"
+        out = []
+        for row in re.split(r"\\\\", s):
+            row = re.sub(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}", r" \1 ", row)
+            if row.strip():
+                parts = row.split("&") if "&" in row else re.split(
+                    r"\\q?quad(?![A-Za-z])|,?\s*\b(?:if|when)\b|,\s*(?=otherwise\b|else)", row, maxsplit=1)
+                out.append([cell(c) for c in parts])
+        return out
 
     p, g = cells(pred), cells(gold)
     if not len(p) == len(g) <= 16:
@@ -116,6 +124,17 @@ def _same_cells(pred: str, gold: str) -> bool:
         return False
     match = [[same_row(a, b, False) for b in g] for a in p]  # rows in another order
     return any(all(match[i][j] for i, j in enumerate(order)) for order in itertools.permutations(range(len(g))))
+
+
+def _last_equals(s: str) -> int:
+    """Index of the last ``=`` outside brackets (not in ``<=``, ``>=``, ``!=``), or -1. Extraction
+    keeps an equation only when its left-hand side is an expression in unknowns."""
+    depth, last = 0, -1
+    for i, c in enumerate(s):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
+            last = i
+    return last
 
 
 def _bracketed(s: str) -> bool:
@@ -146,17 +165,26 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         calculation (``23 + 50``) never equals a plain-number gold; a compound hedge never equals
         anything but the same text, and an answer with a disjunction (``or``, ``\\lor``,
         ``\\vee``) never equals one without, unless every alternative equals it (``"x+11 or
-        11+x"`` against ``"11+x"``); against a plain number, an answer with ``|`` or ``\\mid``
+        11+x"`` against ``"11+x"``) or all alternatives are one value (``"75% or 0.75"`` against 75); against a plain number, an answer with ``|`` or ``\\mid``
         never counts (``1.5 | 2``, ``|-3|``); answers with different numbers of
         commas (a list against a scalar, a pair against a triple) are never equal, nor a bare list
-        and a bracketed tuple or interval (``1, 4`` against ``(1, 4)``). Never raises (a failing comparison is False).
+        and a bracketed tuple or interval (``1, 4`` against ``(1, 4)``). An equation (extraction keeps
+        one whose left-hand side is an expression in unknowns) equals an equation only (math-verify),
+        or, as the prediction against a gold that is none, by its right-hand side (``a + b = 8``
+        answers 8; ``0`` never answers ``x + y + z = 0``). Never raises (a failing comparison is False).
     """
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
         return False
-    if pred.replace(" ", "") == gold.replace(" ", ""):
-        return True
+    if pred.replace(" ", "") == gold.replace(" ", "") or pred.strip("() ") == gold.strip("() ") != "" and re.fullmatch(
+            r"\(?[A-Z]\)?", pred.strip()) and re.fullmatch(r"\(?[A-Z]\)?", gold.strip()):
+        return True  # a choice letter with or without brackets: "(C)" and "C"
     if re.search(r"\\\\|&", pred + gold) and "\\begin" not in pred + gold:  # a piecewise function: "2x & x<0 \\ 3 & x \ge 0"
         return max(len(pred), len(gold)) <= MAX_ANSWER_CHARS and _same_cells(pred, gold)
+    pred_eq, gold_eq = _last_equals(pred), _last_equals(gold)
+    if gold_eq >= 0 and pred_eq < 0:
+        return False  # "0" never answers the plane "20x + 23y + 26z - 69 = 0"
+    if pred_eq >= 0 and gold_eq < 0:
+        return answers_equivalent(pred[pred_eq + 1:].strip(), gold)  # "a + b = 8" answers 8
     if pred.count(",") != gold.count(","):
         return False  # a list / tuple / interval never equals a scalar, nor one of another length
     if "," in pred and _bracketed(pred) != _bracketed(gold):
@@ -166,6 +194,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         # ("x+11 or 11+x" against "11+x")
         hedge, single = (pred, gold) if _OR_RE.search(pred) else (gold, pred)
         members = [m.strip() for m in _OR_RE.split(hedge)]
+        if 1 < len(members) <= 6 and all(a and b and answers_equivalent(a, b) for a, b in itertools.combinations(members, 2)):
+            return any(answers_equivalent(m, single) for m in members)  # "75% or 0.75": one value twice
         return len(members) > 1 and all(m and answers_equivalent(m, single) for m in members)
     try:
         g, p = number_candidates(gold), number_candidates(pred)

@@ -13,9 +13,9 @@ from arealite.reward.latex import top_level
 
 # An unknown's name: a letter or a Greek letter, then primes, a subscript or a bracketed index
 # (x, x_1, x_{12}, x', x^{(2)}, \theta_1); group 1 is the letter, shared by x_1 and x_2.
-_GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|xi|"
+GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|xi|"
           "pi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega")
-_NAME = rf"((?:[A-Za-z]|\\(?:{_GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\)\}})?)"
+_NAME = rf"((?:[A-Za-z]|\\(?:{GREEK}))(?![A-Za-z])'*(?:_\{{?\w+\}}?|\^\{{\(\w+\)\}})?)"
 # A named unknown before its "=" (or aligned "&="); :func:`named_equations` keeps those that
 # start an equation (at the start, or after a separator, a row break or a LaTeX command).
 NAMED_EQ_RE = re.compile(rf"{_NAME}\s*(?:&\s*)?=(?!=)")
