@@ -4,6 +4,7 @@ HumanEval's 164 canonical solutions pass in the sandbox and a corrupted one fail
 ≈ 20 s on 2 cores); `python -m arealite.evaluate --dataset humaneval` reports pass@k."""
 
 import asyncio
+import dataclasses
 import json
 import os
 
@@ -11,7 +12,7 @@ import pytest
 
 from arealite.dataset import code_data as D
 from arealite.evaluate import main as evaluate_main, score_code_rows
-from arealite.reward.code import ascore_code, problem_answer
+from arealite.reward.code import CODE_SANDBOX, ascore_code, problem_answer
 from arealite.reward.metrics import summarize
 
 from conftest import save_tiny_model
@@ -41,12 +42,16 @@ def _const(task_id: str, family: D.Family):
 
 
 def _score_all(pairs):
+    # The verdicts, not the speed, are under test: a wall-clock limit 4x the default, so that a
+    # canonical solution on a loaded machine is not judged a timeout.
+    config = dataclasses.replace(CODE_SANDBOX, timeout=4 * CODE_SANDBOX.timeout)
+
     async def run():
         sem = asyncio.Semaphore(4)
 
         async def one(text, answer):
             async with sem:
-                return await ascore_code(text, answer)
+                return await ascore_code(text, answer, config=config)
 
         return await asyncio.gather(*[one(t, a) for t, a in pairs])
 

@@ -636,7 +636,25 @@ def test_an_angle_offered_with_a_zero_denominator_never_raises():
      "\\begin{cases} x^2 & x \\ge 0 \\\\ -x & \\text{otherwise} \\end{cases}", 0.0),
     # one value written twice is no hedge; two values are
     ("The answer is 75%, or 0.75.", "75", 1.0), ("The answer is 75% or 0.75 or 75.", "75", 0.0),
-    ("So the answer is $\\boxed{50\\%}$, or $\\frac{1}{2}$.", "50", 1.0), ("\\boxed{x = 5 \\text{ and } y = 5}", "5", 1.0),
-    ("The answer is 5 and 6.", "5", 0.0)])
+    ("So the answer is $\\boxed{50\\%}$, or $\\frac{1}{2}$.", "50", 1.0), ("\\boxed{x = 5 \\text{ and } y = 5}", "5, 5", 1.0),
+    ("\\boxed{50 \\text{ or } 50\\%}", "0.5", 0.0), ("The answer is E", "e", 0.0), ("The answer is C; D is also plausible.", "C", 0.0),
+    ("The answer is Sunday. Though Monday is also possible.", "\\text{Sunday}", 0.0),
+    ("\\boxed{\\begin{cases} 2x & x<0 \\\\ 3 & x \\geq 0 \\end{cases}}", "\\begin{cases} 2x & \\text{if } x<0, \\\\ 3 & \\text{otherwise}. \\end{cases}", 1.0),
+    ("\\boxed{\\begin{cases} 2x & x<0 \\\\ 3 & x > 5 \\end{cases}}", "\\begin{cases} 2x & \\text{if } x<0, \\\\ 3 & \\text{otherwise}. \\end{cases}", 0.0),
+    ("The answer is 5 and 6.", "5", 0.0),
+    # equations in a hedge or a list pay for none of their right-hand sides
+    ("\\boxed{a + b = 5 \\text{ or } a + b = 8}", "8", 0.0), ("\\boxed{a + b = 5} or \\boxed{a + b = 8}", "8", 0.0),
+    ("We get $x + y = 3$ and $x - y = 8$.", "8", 0.0),
+    # ",\\," is a list's space, not a thousands separator; a number alone in brackets is a pair
+    ("\\boxed{(2,\\,125)}", "(2, 125)", 1.0), ("\\boxed{[0,\\,360)}", "[0, 360)", 1.0), ("\\boxed{5, \\, 100}", "5100", 0.0),
+    ("\\boxed{10\\,080}", "10080", 1.0), ("\\boxed{(1, 125)}", "(1,125)", 1.0), ("\\boxed{1125}", "(1,125)", 0.0),
+    ("The answer is 1,125.", "1125", 1.0),
+    # another choice letter or word offered after a word answer is a hedge; explanations are not
+    ("The answer is (C). Or maybe (D).", "C", 0.0), ("The answer is C.\n\nOr maybe D.", "C", 0.0),
+    ("The answer is (C). Though (D) is also possible.", "C", 0.0), ("The answer is (C)\n(D)", "C", 0.0),
+    ("The answer is Yes.\n\nBut it could also be No.", "\\text{Yes}", 0.0), ("\\boxed{C}. Or maybe D.", "C", 0.0),
+    ("\\boxed{\\text{Sunday}}. Maybe it is Monday.", "\\text{Sunday}", 0.0),
+    ("The answer is (C). Option (B) is wrong because it ignores the sign.", "C", 1.0), ("The answer is C. I hope it is correct.", "C", 1.0),
+    ("The answer is Sunday. This is because 100 days later is Sunday.", "\\text{Sunday}", 1.0)])
 def test_thin_space_thousands_equation_golds_choice_letters_and_piecewise_rows(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)

@@ -52,6 +52,7 @@ from arealite.reward.sentences import (
     first_sentence,
     hedged_value_after,
     hedged_value_before,
+    hedged_word_after,
     EQ_BEFORE_RE,
     GREEK,
     NAMED_EQ_RE,
@@ -104,7 +105,7 @@ _NOISE_RE = re.compile(r"(?P<keep>\\\\)|\\left\s*\\\{\s*\\begin\s*\{array\}\s*\{
                        r"|\\begin\s*\{array\}\s*\{[^{}]*\}|\\end\s*\{array\}")
 # A textual answer without a value: a choice letter ("(C)", "C") or one capitalised word ("Sunday").
 _WORD_ANSWER_RE = re.compile(r"[\s*$]*(?:(\([A-Z]\)|[A-Z])|([A-Z][a-z]+))[\s*$]*[.!]?\s*")
-_THIN_SPACE_IN_NUMBER_RE = re.compile(r"(?<=\d)(,?)\s*\\[,!]\s*(?=\d{3}(?!\d))")
+_THIN_SPACE_IN_NUMBER_RE = re.compile(r"(?<=\d)(?:(,)\s*\\!\s*|\\[,!])(?=\d{3}(?!\d))")  # not ",\,": a list's space
 _NUMBER_TOKEN = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 _UNIT_POWER_RE = re.compile(r"\s*[\^_]\s*(?:\{\s*-?\d+\s*\}|-?\d+)")
 # A number, a space, a one-letter unit (5 m, 3 g, 2 h) and its power: the answer is the number.
@@ -334,7 +335,7 @@ def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
     if is_connector(lo - 1):
         lo -= 1  # "either 6 or 7", "between 6 and 7"
     if {s for k, s in segs[lo:hi + 1] if k == "word"} == {"and"}:  # "2 and -3", "x = 2 \text{ and } x = -3": a list
-        return _distinct([_clean_run(s) for k, s in segs[lo:hi + 1] if k == "math" and _has_value(s)])
+        return ", ".join(_clean_run(s) for k, s in segs[lo:hi + 1] if k == "math" and _has_value(s))
     parts = [(_clean_run(s) if k == "math" else s) for k, s in segs[lo:hi + 1]]
     return " ".join(p for p in parts if p)
 
@@ -386,6 +387,8 @@ def extract_final_answer(text: str) -> str | None:
             if answer is None:  # "The answer is (C).", "The answer is Sunday."
                 word = _WORD_ANSWER_RE.fullmatch(_TEXT_WRAP_RE.sub(r"\1", span))
                 answer = word and (word.group(1) or word.group(2))
+                offered = answer and hedged_word_after(text[mark.end() + len(span):], answer)  # "Or maybe (D)."
+                answer = f"{answer} or {offered}" if offered else answer
             hedged = answer is None or re.search(_HEDGE_WORD + "|" + LOGIC_OR, answer)  # "The answer is 2, although it could be 3."
             offered = None if hedged else hedged_value_after(_denoise(text[mark.end():mark.end() + 300]))
             if offered is not None and not _same_number(offered, answer):
@@ -432,8 +435,9 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
         content = content[:inner.start()] + content[inner.end():j] + content[j + 1:]
     answer = _normalise(unindexed_list(_denoise(content)), last=False, whole=True)
     if answer is None:  # a boxed word answer ("\boxed{\text{Monday}}"): its text
-        word = _TEXT_WRAP_RE.sub(r"\1", content)
-        return re.sub(r"\s+", " ", _denoise(word)).strip() or None
+        word = re.sub(r"\s+", " ", _denoise(_TEXT_WRAP_RE.sub(r"\1", content))).strip() or None
+        offered = word and hedged_word_after(text[after:], word)  # "\boxed{C}. Or maybe D."
+        return f"{word} or {offered}" if offered else word
     tail = _TEXT_WRAP_RE.sub(r" \1 ", _denoise(text[after:after + 300]))
     gap = _VALUE_AFTER_RE.match(tail)
     if gap:
@@ -469,7 +473,7 @@ def _boxed_answer(text: str, box: re.Match) -> str | None:
 
 
 def _distinct(values: list[str]) -> str:
-    """``values`` joined as a list, each value once (``5 and 5`` is 5; plain numbers by value)."""
+    """``values`` joined as a list, each value once (boxes: ``\\boxed{2} and \\boxed{2.0}`` is 2)."""
     distinct: list[str] = []
     for v in values:
         if not any(_same_number(v, d) for d in distinct):

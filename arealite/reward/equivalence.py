@@ -95,8 +95,8 @@ def _same_cells(pred: str, gold: str) -> bool:
     removed), compared cell by cell with :func:`answers_equivalent`: the same shape and every cell
     equal, the rows in order or (up to 4 rows) in any order; a row without ``&`` splits at a
     ``\\quad`` or an "if"; "if", "when", "is" and ``\\text{}`` wrappers and trailing commas are
-    dropped from cells, and the prediction's "otherwise" ("else") in the last row stands for any
-    condition (math-verify alone calls any two piecewise answers equal); at most 16 rows."""
+    dropped from cells, the prediction's "otherwise" ("else") in the last row stands for any
+    condition and the gold's, in two rows, for the first row's complement (``x < 0`` / ``x \\ge 0``) (math-verify alone calls any two piecewise answers equal); at most 16 rows."""
     def cell(c: str) -> str:  # "if x<0," -> "x<0"; "else", "elsewhere" -> "otherwise"
         c = " ".join(re.sub(r"\b(?:if|for|when|where|is|are)\b", " ", c).split()).strip(" ,.;")
         return "otherwise" if c in ("else", "elsewhere") else c
@@ -118,12 +118,36 @@ def _same_cells(pred: str, gold: str) -> bool:
     p, g = cells(pred), cells(gold)
     if not len(p) == len(g) <= 16:
         return False
+    if len(g) == 2 and len(g[1]) == 2 and g[1][1] == "otherwise" and len(g[0]) == 2:  # the other row's complement
+        g = [g[0], [g[1][0], _negated(g[0][1]) or "otherwise"]]
     if all(same_row(a, b, i == len(p) - 1) for i, (a, b) in enumerate(zip(p, g))):
         return True
     if len(p) > 4:
         return False
     match = [[same_row(a, b, False) for b in g] for a in p]  # rows in another order
     return any(all(match[i][j] for i, j in enumerate(order)) for order in itertools.permutations(range(len(g))))
+
+
+_NEGATED = {"<": "\\ge", ">": "\\le", "\\le": ">", "\\leq": ">", "\\ge": "<", "\\geq": "<", "=": "\\neq",
+            "\\neq": "=", "\\ne": "="}
+
+
+def _negated(condition: str) -> str | None:
+    """``x < 0`` -> ``x \\ge 0``: one relation's complement, or None."""
+    ops = re.findall(r"\\(?:leq?|geq?|neq?)(?![A-Za-z])|[<>=]", condition)
+    if len(ops) != 1:
+        return None
+    return condition.replace(ops[0], " " + _NEGATED[ops[0]] + " ", 1)
+
+
+def _one_value(a: str, b: str) -> bool:
+    """Two alternatives of a hedge that are one value: equivalent, and a percentage only as its
+    value / 100 (``75% or 0.75``; ``50 or 50%`` are two values)."""
+    if ("%" in a) != ("%" in b):
+        pct, other = (a, b) if "%" in a else (b, a)
+        p, q = number_candidates(pct.replace("%", "")), number_candidates(other)
+        return bool(p and q) and any(x / 100 == y for x, _ in p for y, _ in q)
+    return answers_equivalent(a, b)
 
 
 def _last_equals(s: str) -> int:
@@ -175,16 +199,13 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     """
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
         return False
-    if pred.replace(" ", "") == gold.replace(" ", "") or pred.strip("() ") == gold.strip("() ") != "" and re.fullmatch(
-            r"\(?[A-Z]\)?", pred.strip()) and re.fullmatch(r"\(?[A-Z]\)?", gold.strip()):
-        return True  # a choice letter with or without brackets: "(C)" and "C"
+    if pred.replace(" ", "") == gold.replace(" ", ""):
+        return True
+    letters = re.fullmatch(r"\(?([A-Za-z])\)?", pred.strip()), re.fullmatch(r"\(?([A-Za-z])\)?", gold.strip())
+    if all(letters):  # a choice letter with or without brackets ("(C)" and "C"); "E" is not e
+        return letters[0].group(1) == letters[1].group(1)
     if re.search(r"\\\\|&", pred + gold) and "\\begin" not in pred + gold:  # a piecewise function: "2x & x<0 \\ 3 & x \ge 0"
         return max(len(pred), len(gold)) <= MAX_ANSWER_CHARS and _same_cells(pred, gold)
-    pred_eq, gold_eq = _last_equals(pred), _last_equals(gold)
-    if gold_eq >= 0 and pred_eq < 0:
-        return False  # "0" never answers the plane "20x + 23y + 26z - 69 = 0"
-    if pred_eq >= 0 and gold_eq < 0:
-        return answers_equivalent(pred[pred_eq + 1:].strip(), gold)  # "a + b = 8" answers 8
     if pred.count(",") != gold.count(","):
         return False  # a list / tuple / interval never equals a scalar, nor one of another length
     if "," in pred and _bracketed(pred) != _bracketed(gold):
@@ -194,9 +215,14 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         # ("x+11 or 11+x" against "11+x")
         hedge, single = (pred, gold) if _OR_RE.search(pred) else (gold, pred)
         members = [m.strip() for m in _OR_RE.split(hedge)]
-        if 1 < len(members) <= 6 and all(a and b and answers_equivalent(a, b) for a, b in itertools.combinations(members, 2)):
+        if 1 < len(members) <= 6 and all(a and b and _one_value(a, b) for a, b in itertools.combinations(members, 2)):
             return any(answers_equivalent(m, single) for m in members)  # "75% or 0.75": one value twice
         return len(members) > 1 and all(m and answers_equivalent(m, single) for m in members)
+    pred_eq, gold_eq = _last_equals(pred), _last_equals(gold)  # after the hedge and list checks
+    if gold_eq >= 0 and pred_eq < 0:
+        return False  # "0" never answers the plane "20x + 23y + 26z - 69 = 0"
+    if pred_eq >= 0 and gold_eq < 0:
+        return answers_equivalent(pred[pred_eq + 1:].strip(), gold)  # "a + b = 8" answers 8
     try:
         g, p = number_candidates(gold), number_candidates(pred)
         if g is not None:

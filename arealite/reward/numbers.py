@@ -16,9 +16,14 @@ def strip_thousands_separators(text: str) -> str:
     """Remove the commas of real thousands separators (``-?\\d{1,3}(,\\d{3})+``) only.
 
     ``"1,234,567"`` -> ``"1234567"``, ``"-1,000.5"`` -> ``"-1000.5"``; ``"1,2"``, ``"(1,2)"``,
-    ``"[0,10]"`` and ``"1,23"`` are unchanged, so a comma-separated answer (tuple, list,
+    ``"[0,10]"``, ``"1,23"`` and a number alone in brackets (``"(1,125)"``, ``"[0,360)"``: a pair,
+    an interval) are unchanged, so a comma-separated answer (tuple, list,
     interval) never turns into an unrelated number."""
-    return _THOUSANDS_RE.sub(lambda m: m.group(0).replace(",", ""), text)
+    def strip(m: re.Match) -> str:  # "(1,125)", "[0,360)": a pair or an interval, not 1125
+        inside = re.search(r"[(\[]\s*$", text[max(0, m.start() - 20):m.start()]) and re.match(r"\s*[)\]]", text[m.end():])
+        return m.group(0) if inside else m.group(0).replace(",", "")
+
+    return _THOUSANDS_RE.sub(strip, text)
 
 
 _FRAC_RE = re.compile(r"^\\frac\{\s*([-+]?\d+)\s*\}\{\s*([-+]?\d+)\s*\}$")

@@ -160,3 +160,31 @@ def same_angle(a: str, b: str) -> bool:
             if Fraction(d.group(1)) == 180 * turns:
                 return True
     return False
+
+
+# A choice letter or a one-word answer offered in words after a textual or boxed word answer: after
+# a hedge ("Or maybe (D).", "The answer could also be Monday."), as a line of its own ("(D)"), or
+# with "also possible / correct" ("Though (D) is also possible.").
+_OPENER = r"(?i:(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|i\s+think)\s*,?\s+)*)"
+_WORD_VALUE = r"\([A-Z]\)|\b[B-HJ-Z]\b|\b[A-Z][a-z]+\b"  # "A" and "I" only in brackets: an article, a pronoun
+_WORD_HEDGE_RE = re.compile(
+    rf"^[\s(]*{_OPENER}(?i:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b(?:\s+(?:it|this|the\s+answer)(?:'s|\s+is))?)"
+    rf"\b[\s:=(,]*(?P<value>{_WORD_VALUE})"
+    rf"|^[\s(]*(?P<alone>\([A-Z]\)|[A-Z])[\s).]*$"
+    rf"|^[\s(;,]*{_OPENER}(?P<also>\([A-Z]\)|\b[B-HJ-Z]\b|\b[A-Z][a-z]+\b)\s+(?i:is|are|would\s+be|could\s+be|seems)?\s*"
+    rf"(?i:also|too)\s+(?i:possible|correct|valid|right|plausible)\b")
+
+
+def hedged_word_after(tail: str, answer: str) -> str | None:
+    """The other choice letter or word that ``tail`` (the text after a word answer) offers in the
+    rest of the answer's sentence or the next one (:data:`_WORD_HEDGE_RE`), when it differs from
+    ``answer``; None otherwise."""
+    tail = _INLINE_MATH_RE.sub(" ", tail[:300]).replace("$", " ")
+    key = answer.strip("() ").lower()
+    for sentence in [p for p in _SENTENCE_END_RE.split(tail) if not _BLANK_RE.fullmatch(p)][:2]:
+        m = _WORD_HEDGE_RE.search(sentence.strip(" \t"))
+        if m:
+            value = m.group("value") or m.group("alone") or m.group("also")
+            if value.strip("() ").lower() != key and value.lower() not in ("it", "this", "the"):
+                return value
+    return None
