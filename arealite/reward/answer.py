@@ -49,15 +49,15 @@ from arealite.reward.numbers import (  # noqa: F401 - parse_number and strip_tho
     strip_thousands_separators,
 )
 from arealite.reward.sentences import (
+    EQ_BEFORE_RE,
+    GREEK,
+    NAMED_EQ_RE,
     first_sentence,
     hedged_value_after,
     hedged_value_before,
     hedged_word_after,
-    EQ_BEFORE_RE,
-    GREEK,
-    NAMED_EQ_RE,
-    same_angle,
     named_equations,
+    same_angle,
     unindexed_list,
 )
 

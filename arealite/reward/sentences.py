@@ -43,10 +43,9 @@ _CONDITION_RE = re.compile(r"\b(?:if|since|because|for|when|whenever|otherwise|u
 # ... or a next sentence that opens with the hedge, after interjections ("But it might also be
 # 3.", "Or maybe 3.", "Alternatively, the answer could be 3.", "Wait, it might be 3.", "(It may
 # also be 3.)"; not "If order mattered, the result might be 24.").
-_NEXT_SENTENCE_RE = re.compile(
-    rf"^[\s(]*(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|then\s+again|i\s+think)\s*,?\s+)*"
-    rf"(?:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b(?:\s+(?:it|this|the\s+answer)(?:'s|\s+is))?)"
-    rf"[\s:=(,]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
+_OPENER = r"(?i:(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|then\s+again|i\s+think)\s*,?\s+)*)"
+_HEDGE = rf"(?i:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b(?:\s+(?:it|this|the\s+answer)(?:'s|\s+is))?)"
+_NEXT_SENTENCE_RE = re.compile(rf"^[\s(]*{_OPENER}{_HEDGE}[\s:=(,]*(?P<value>{_VALUE}){_VALUE_TAIL}", re.I)
 _INLINE_MATH_RE = re.compile(r"\\[()\[\]]")  # \( \) \[ \]: math delimiters, read as blanks
 _SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n")
 _BLANK_RE = re.compile(r"(?:\\[\])]|[$.!?\s])*")  # a piece of only math delimiters and stops
@@ -165,13 +164,11 @@ def same_angle(a: str, b: str) -> bool:
 # A choice letter or a one-word answer offered in words after a textual or boxed word answer: after
 # a hedge ("Or maybe (D).", "The answer could also be Monday."), as a line of its own ("(D)"), or
 # with "also possible / correct" ("Though (D) is also possible.").
-_OPENER = r"(?i:(?:(?:but|though|although|however|or|alternatively|actually|wait|hmm|i\s+think)\s*,?\s+)*)"
 _WORD_VALUE = r"\([A-Z]\)|\b[B-HJ-Z]\b|\b[A-Z][a-z]+\b"  # "A" and "I" only in brackets: an article, a pronoun
 _WORD_HEDGE_RE = re.compile(
-    rf"^[\s(]*{_OPENER}(?i:{_MODAL}|(?:maybe|perhaps|possibly|alternatively|or)\b(?:\s+(?:it|this|the\s+answer)(?:'s|\s+is))?)"
-    rf"\b[\s:=(,]*(?P<value>{_WORD_VALUE})"
+    rf"^[\s(]*{_OPENER}{_HEDGE}\b[\s:=(,]*(?P<value>{_WORD_VALUE})"
     rf"|^[\s(]*(?P<alone>\([A-Z]\)|[A-Z])[\s).]*$"
-    rf"|^[\s(;,]*{_OPENER}(?P<also>\([A-Z]\)|\b[B-HJ-Z]\b|\b[A-Z][a-z]+\b)\s+(?i:is|are|would\s+be|could\s+be|seems)?\s*"
+    rf"|^[\s(;,]*{_OPENER}(?P<also>{_WORD_VALUE})\s+(?i:is|are|would\s+be|could\s+be|seems)?\s*"
     rf"(?i:also|too)\s+(?i:possible|correct|valid|right|plausible)\b")
 
 
