@@ -27,7 +27,8 @@ The recipe file is unchanged: this launcher plays ``torchrun`` and the local ser
    prefixed, to this driver's console. The placement is written to ``logs/placement.json``.
 5. End: on success, on Ctrl-C and on any trainer's death every actor is killed (their
    processes die with them: ``PR_SET_PDEATHSIG``). A trainer rank that dies fails the run with
-   its rank, node and exit reason; with ``--recover.mode auto`` and ``launcher.max_restarts N``
+   its rank, node and exit reason (every failed rank is named, the first to die first:
+   :func:`_wait_trainers`); with ``--recover.mode auto`` and ``launcher.max_restarts N``
    the whole job (servers included, so that their weights match the checkpoint) is started again
    up to N times and resumes from the newest recover checkpoint.
 
@@ -129,17 +130,19 @@ class TrainerActor:
         ip = ray.util.get_node_ip_address()
         return {"ip": ip, "node_id": ray.get_runtime_context().get_node_id(), "port": free_port(ip)}
 
-    def run(self, cmd: list[str], env: dict, cwd: str, log_path: str, prefix: str) -> int:
+    def run(self, cmd: list[str], env: dict, cwd: str, log_path: str, prefix: str) -> tuple[int, float]:
         """Run ``cmd`` to its end, its output to ``log_path`` and this actor's stdout (which Ray
-        shows on the driver). Returns its exit code (negative: killed by that signal)."""
+        shows on the driver). Returns its exit code (negative: killed by that signal) and the
+        wall-clock time (``time.time()``, s) at which the process ended."""
         base = {k: v for k, v in os.environ.items() if k not in _NOT_FOR_SERVERS}
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, env={**base, **env}, cwd=cwd, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
             t = stream(proc, prefix, log)
             code = proc.wait()
+            ended = time.time()
             t.join(timeout=5)
-        return code
+        return code, ended
 
 
 def ray_nodes() -> list[Node]:
@@ -214,18 +217,7 @@ def _run_once(args, config: dict, placement: Placement, pg, attempt: int) -> tup
             local = r % placement.ranks_per_node
             env = trainer_env(r, len(trainers), local, placement.ranks_per_node, master, port, launcher.trainer_cpus)
             runs[t.run.remote(cmd, env, cwd, os.path.join(out, "logs", f"trainer{r}.log"), f"trainer{r}")] = r
-        pending = list(runs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            r = runs[done[0]]
-            try:
-                code, reason = ray.get(done[0]), None
-            except ray.exceptions.RayActorError as e:
-                code, reason = -1, f"its Ray actor died ({type(e).__name__})"
-            if code != 0:
-                return code, (f"trainer rank {r} on node {tinfo[r]['ip']} (Ray node {tinfo[r]['node_id'][:12]}) "
-                              f"failed: {reason or exit_reason(code)}; see {out}/logs/trainer{r}.log")
-        return 0, ""
+        return _wait_trainers(runs, tinfo, out)
     finally:
         for t in trainers:
             ray.kill(t, no_restart=True)
@@ -235,6 +227,42 @@ def _run_once(args, config: dict, placement: Placement, pg, attempt: int) -> tup
             except Exception:  # noqa: BLE001 - already dead or restarting
                 pass
             ray.kill(s, no_restart=True)
+
+
+FAILURE_GRACE_S = 10.0  # after a rank fails, how long the others may take to fail too before they are killed
+
+
+def _wait_trainers(runs: dict, tinfo: list[dict], out: str) -> tuple[int, str]:
+    """Wait for the trainer ranks' ``run`` calls (``{object ref: rank}``). Returns ``(0, "")``
+    when all exit with 0, else the exit code of the rank that failed first and a reason naming
+    every failed rank, earliest first.
+
+    One rank's death makes the others fail too (their next collective finds the peer gone), and
+    any of them may be *reported* first. So after the first failure the others get
+    ``FAILURE_GRACE_S`` to end, and the failures are ordered by when each process ended (as
+    torchrun's elastic agent names its "root cause" by timestamp); ranks still running then are
+    killed by the caller."""
+    pending, failed, deadline = list(runs), [], None
+    while pending:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:
+            break
+        r = runs[done[0]]
+        try:
+            (code, ended), reason = ray.get(done[0]), None
+        except ray.exceptions.RayActorError as e:
+            code, ended, reason = -1, time.time(), f"its Ray actor died ({type(e).__name__})"
+        if code != 0:
+            failed.append((ended, r, code, reason or exit_reason(code)))
+            deadline = deadline or time.monotonic() + FAILURE_GRACE_S
+    if not failed:
+        return 0, ""
+    failed.sort()
+    parts = [f"trainer rank {r} on node {tinfo[r]['ip']} (Ray node {tinfo[r]['node_id'][:12]}) failed"
+             f"{' first' if i == 0 and len(failed) > 1 else ''}: {why}; see {out}/logs/trainer{r}.log"
+             for i, (_, r, _, why) in enumerate(failed)]
+    return failed[0][2], "; then ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
