@@ -658,3 +658,19 @@ def test_an_angle_offered_with_a_zero_denominator_never_raises():
     ("The answer is Sunday. This is because 100 days later is Sunday.", "\\text{Sunday}", 1.0)])
 def test_thin_space_thousands_equation_golds_choice_letters_and_piecewise_rows(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    # one \pm is the list of its two values: it answers that list (any order), never one of them
+    ("\\boxed{x = \\pm 4}", "-4, 4", 1.0), ("\\boxed{\\pm 4}", "4, -4", 1.0), ("\\boxed{\\pm 4}", "4", 0.0),
+    ("\\boxed{\\pm 5}", "-4, 4", 0.0), ("\\boxed{4, -4}", "\\pm 4", 1.0), ("\\boxed{4}", "\\pm 4", 0.0),
+    ("\\boxed{x=\\frac{3\\pm\\sqrt{5}}{2}}", "\\frac{3-\\sqrt5}{2}, \\frac{3+\\sqrt5}{2}", 1.0),
+    ("\\boxed{1+\\sqrt{19}, 1-\\sqrt{19}}", "1 \\pm \\sqrt{19}", 1.0), ("\\boxed{1+\\sqrt{19}}", "1 \\pm \\sqrt{19}", 0.0),
+    ("\\boxed{1 \\mp \\sqrt{2}}", "1 \\pm \\sqrt{2}", 1.0), ("\\boxed{2 \\pm \\sqrt{2}}", "1 \\pm \\sqrt{2}", 0.0),
+    # a repeating decimal is the fraction it denotes; a bar over letters is a segment
+    ("\\boxed{2.\\overline{3}}", "\\frac73", 1.0), ("\\boxed{0.1\\overline{6}}", "\\frac16", 1.0),
+    ("\\boxed{0.\\overline{36}}", "\\frac{4}{11}", 1.0), ("\\boxed{0.\\bar{3}}", "\\frac{1}{3}", 1.0),
+    ("\\boxed{0.\\overline{3}}", "0.3", 0.0), ("\\boxed{0.\\overline{3}}", "\\frac14", 0.0), ("\\boxed{1.\\overline{9}}", "2", 1.0),
+    ("\\boxed{\\overline{CD}}", "\\overline{CD}", 1.0), ("\\boxed{\\overline{AB}}", "\\overline{CD}", 0.0)])
+def test_plus_minus_is_a_list_and_a_repeating_decimal_is_its_fraction(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)

@@ -175,8 +175,36 @@ def _bracketed(s: str) -> bool:
     return False
 
 
+_REPEATING_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\(?:overline|bar)\s*\{\s*(\d+)\s*\}")
+_PLUS_MINUS_RE = re.compile(r"\\(pm|mp)(?![A-Za-z])")
+
+
+def _repeating_decimals(s: str) -> str:
+    """``0.1\\overline{6}`` (also ``\\bar``) as the exact fraction it denotes,
+    ``\\frac{1}{6}``: I.N(R) = (INR - IN) / (10^|N| (10^|R| - 1)). Only digits under the bar
+    (``\\overline{CD}`` is a segment and stays)."""
+    def frac(m: re.Match) -> str:
+        whole, fixed, rep = m.group(1) or "0", m.group(2), m.group(3)
+        num = int(whole + fixed + rep) - int(whole + fixed)
+        return "\\frac{%d}{%d}" % (num, 10 ** len(fixed) * (10 ** len(rep) - 1))
+    return _REPEATING_RE.sub(frac, s)
+
+
+def _plus_minus(s: str) -> str:
+    """An answer with one ``\\pm`` (``\\mp``) and no list as the list of its two values:
+    ``\\pm 4`` -> ``4, -4``; ``\\frac{3 \\pm \\sqrt{5}}{2}`` -> ``\\frac{3 + \\sqrt{5}}{2},
+    \\frac{3 - \\sqrt{5}}{2}``. Anything else is returned unchanged."""
+    if len(_PLUS_MINUS_RE.findall(s)) != 1 or "," in s or _OR_RE.search(s):
+        return s
+    first, second = ("+", "-") if "\\pm" in s else ("-", "+")
+    return ", ".join(re.sub(r"^\s*\+\s*", "", _PLUS_MINUS_RE.sub(sign, s)) for sign in (first, second))
+
+
 def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
+    First a repeating decimal becomes its fraction (``2.\\overline{3}`` = ``\\frac{7}{3}``) and
+    an answer with one ``\\pm`` the list of its two values (``\\pm 4`` = ``-4, 4``, so it never
+    equals 4 alone).
 
     Args:
         pred: the model's final answer, e.g. ``"\\frac{1}{2}"``; None never matches.
@@ -201,6 +229,9 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return False
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return True
+    normal = _plus_minus(_repeating_decimals(pred)), _plus_minus(_repeating_decimals(gold))
+    if normal != (pred, gold):  # "\pm 4" is the list "4, -4"; 0.1\overline{6} is 1/6
+        return answers_equivalent(*normal)
     letters = re.fullmatch(r"\(?([A-Za-z])\)?", pred.strip()), re.fullmatch(r"\(?([A-Za-z])\)?", gold.strip())
     if all(letters):  # a choice letter with or without brackets ("(C)" and "C"); "E" is not e
         return letters[0].group(1) == letters[1].group(1)
