@@ -8,7 +8,8 @@ fine-tuning), ``--precision`` as the engine's ``mixed_precision`` (auto: bf16 wh
 AVX-512 BF16/AMX). After ``--warmup`` steps one step runs under ``torch.profiler``; its operators'
 self time is grouped into
 
-* matmul: ``aten::mm/addmm/bmm/baddbmm`` and the native bf16 -> fp32 LM-head GEMM
+* matmul: ``aten::mm/addmm/bmm/baddbmm`` (and their in-place forms: LoRA's fused product, the
+  LM head's weight gradient; counted as "other ops" before 2026-12-06) and the native bf16 -> fp32 LM-head GEMM
   (``arealite::gemm_bf16_f32``, :func:`arealite.native.linear_bf16_f32`);
 * attention: torch's SDPA kernels, forward and backward;
 * copies/casts: ``aten::copy_``, ``_to_copy``, ``cat``, ``fill_``, ``index*``/``scatter*``/``gather``;
@@ -49,7 +50,8 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 from cost_curves import MODELS, build_model, grpo_batch  # noqa: E402
 
 GROUPS = {
-    "matmul": lambda n: n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "arealite::gemm_bf16_f32"),
+    "matmul": lambda n: n in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+                              "aten::baddbmm_", "arealite::gemm_bf16_f32"),
     "attention": lambda n: "scaled_dot_product" in n or "flash_attention" in n,
     "copies/casts": lambda n: n in ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::fill_", "aten::gather",
                                     "aten::index", "aten::index_put_", "aten::index_select", "aten::scatter_add_",
