@@ -674,3 +674,17 @@ def test_thin_space_thousands_equation_golds_choice_letters_and_piecewise_rows(t
     ("\\boxed{\\overline{CD}}", "\\overline{CD}", 1.0), ("\\boxed{\\overline{AB}}", "\\overline{CD}", 0.0)])
 def test_plus_minus_is_a_list_and_a_repeating_decimal_is_its_fraction(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    # a one-variable inequality answers the interval it denotes, brackets included
+    ("\\boxed{x > 3}", "(3,\\infty)", 1.0), ("The answer is $x \\ge 3$.", "[3,\\infty)", 1.0),
+    ("\\boxed{x \\ge 3}", "(3,\\infty)", 0.0), ("\\boxed{x < 3}", "(3,\\infty)", 0.0), ("\\boxed{x > 3}", "(2,\\infty)", 0.0),
+    ("\\boxed{-1 < x \\le 4}", "(-1,4]", 1.0), ("\\boxed{-1 \\le x \\le 4}", "(-1,4]", 0.0),
+    ("\\boxed{5 > x > -1}", "(-1, 5)", 1.0), ("\\boxed{4 \\geq x}", "(-\\infty,4]", 1.0),
+    ("\\boxed{x < \\frac{1}{2}}", "\\left(-\\infty, \\frac12\\right)", 1.0),
+    ("\\boxed{(3, \\infty)}", "x > 3", 1.0), ("\\boxed{x > 3}", "3", 0.0),
+    # a union, a hedge or a second variable is not one interval
+    ("\\boxed{x > 3 \\text{ or } x < 1}", "(3,\\infty)", 0.0), ("\\boxed{x > y}", "(3,\\infty)", 0.0)])
+def test_a_one_variable_inequality_equals_its_interval(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)

@@ -200,6 +200,52 @@ def _plus_minus(s: str) -> str:
     return ", ".join(re.sub(r"^\s*\+\s*", "", _PLUS_MINUS_RE.sub(sign, s)) for sign in (first, second))
 
 
+_REL = r"(<|>|≤|≥|\\l(?:e|eq|eqslant)(?![A-Za-z])|\\g(?:e|eq|eqslant)(?![A-Za-z]))"
+_ONE_SIDED_RE = re.compile(r"([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
+_ONE_SIDED_FLIPPED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])")
+_TWO_SIDED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
+_HAS_REL_RE = re.compile(_REL + "|=")
+
+
+def _interval(s: str) -> str | None:
+    """A one-variable inequality as its interval: ``x > 3`` -> ``(3, \\infty)``, ``-2 \\le x < 5``
+    -> ``[-2, 5)``, ``4 \\ge x`` -> ``(-\\infty, 4]``. None for anything else (a union, an
+    equation, two variables)."""
+    def op(rel: str) -> tuple[bool, bool]:  # (points up: x > a, strict)
+        return rel in (">", "≥") or rel.startswith("\\g"), rel in ("<", ">")
+    s = s.strip()
+    if len(s) > 200 or _OR_RE.search(s) or "\\text" in s:
+        return None
+    if m := _TWO_SIDED_RE.fullmatch(s):
+        (up1, strict1), (up2, strict2) = op(m.group(2)), op(m.group(4))
+        if up1 != up2:
+            return None
+        lo, hi, lo_strict, hi_strict = m.group(1), m.group(5), strict1, strict2
+        if up1:  # b > x > a
+            lo, hi, lo_strict, hi_strict = hi, lo, strict2, strict1
+        return f"{'(' if lo_strict else '['}{lo.strip()}, {hi.strip()}{')' if hi_strict else ']'}"
+    if m := _ONE_SIDED_RE.fullmatch(s):
+        (up, strict), bound = op(m.group(2)), m.group(3).strip()
+    elif m := _ONE_SIDED_FLIPPED_RE.fullmatch(s):  # a < x is x > a
+        (down, strict), bound = op(m.group(2)), m.group(1).strip()
+        up = not down
+    else:
+        return None
+    if not re.search(r"\d|\\pi|\\sqrt|\\frac", bound):
+        return None  # "x > y": no number to bound it
+    return f"{'(' if strict else '['}{bound}, \\infty)" if up else f"(-\\infty, {bound}{')' if strict else ']'}"
+
+
+def _inequality_as_interval(pred: str, gold: str) -> tuple[str, str]:
+    """The side that is a one-variable inequality (:func:`_interval`) as its interval, when the
+    other side holds no relation (an interval, a number); otherwise both unchanged (two
+    inequalities go to math-verify as they are)."""
+    for i, (a, b) in enumerate(((pred, gold), (gold, pred))):
+        if not _HAS_REL_RE.search(b) and (interval := _interval(a)) is not None:
+            return (interval, gold) if i == 0 else (pred, interval)
+    return pred, gold
+
+
 def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
     First a repeating decimal becomes its fraction (``2.\\overline{3}`` = ``\\frac{7}{3}``) and
@@ -229,8 +275,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return False
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return True
-    normal = _plus_minus(_repeating_decimals(pred)), _plus_minus(_repeating_decimals(gold))
-    if normal != (pred, gold):  # "\pm 4" is the list "4, -4"; 0.1\overline{6} is 1/6
+    normal = _inequality_as_interval(_plus_minus(_repeating_decimals(pred)), _plus_minus(_repeating_decimals(gold)))
+    if normal != (pred, gold):  # "\pm 4" is the list "4, -4"; 0.1\overline{6} is 1/6; x > 3 is (3, \infty)
         return answers_equivalent(*normal)
     letters = re.fullmatch(r"\(?([A-Za-z])\)?", pred.strip()), re.fullmatch(r"\(?([A-Za-z])\)?", gold.strip())
     if all(letters):  # a choice letter with or without brackets ("(C)" and "C"); "E" is not e
