@@ -250,7 +250,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
     First a repeating decimal becomes its fraction (``2.\\overline{3}`` = ``\\frac{7}{3}``) and
     an answer with one ``\\pm`` the list of its two values (``\\pm 4`` = ``-4, 4``, so it never
-    equals 4 alone).
+    equals 4 alone), and a one-variable inequality, against an answer with no relation, its
+    interval (``x > 3`` = ``(3, \\infty)``).
 
     Args:
         pred: the model's final answer, e.g. ``"\\frac{1}{2}"``; None never matches.
