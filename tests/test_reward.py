@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from arealite.reward.equivalence import answers_equivalent, group_answers
 from arealite.reward.math import (
     extract_final_answer,
     extract_gsm8k_answer,
@@ -671,9 +672,23 @@ def test_thin_space_thousands_equation_golds_choice_letters_and_piecewise_rows(t
     ("\\boxed{2.\\overline{3}}", "\\frac73", 1.0), ("\\boxed{0.1\\overline{6}}", "\\frac16", 1.0),
     ("\\boxed{0.\\overline{36}}", "\\frac{4}{11}", 1.0), ("\\boxed{0.\\bar{3}}", "\\frac{1}{3}", 1.0),
     ("\\boxed{0.\\overline{3}}", "0.3", 0.0), ("\\boxed{0.\\overline{3}}", "\\frac14", 0.0), ("\\boxed{1.\\overline{9}}", "2", 1.0),
-    ("\\boxed{\\overline{CD}}", "\\overline{CD}", 1.0), ("\\boxed{\\overline{AB}}", "\\overline{CD}", 0.0)])
+    ("\\boxed{\\overline{CD}}", "\\overline{CD}", 1.0), ("\\boxed{\\overline{AB}}", "\\overline{CD}", 0.0),
+    # a review's cases: a gold written as a repeating decimal is answered exactly, never by a rounding
+    ("\\boxed{0.27}", "0.\\overline{27}", 0.0), ("\\boxed{0.33}", "0.\\overline{3}", 0.0), ("\\boxed{1.67}", "1.\\overline{6}", 0.0),
+    ("\\boxed{0.142857}", "0.\\overline{142857}", 0.0), ("\\boxed{\\frac{3}{11}}", "0.\\overline{27}", 1.0),
+    ("\\boxed{0.2\\overline{72}}", "0.\\overline{27}", 1.0),
+    # other bases stay as written (base 10 said is base 10); an equation's right side answers a \pm gold
+    ("\\boxed{0.\\overline{4}_{7}}", "0.\\overline{4}_7", 1.0), ("\\boxed{0.\\overline{4}_{7}}", "\\frac49", 0.0),
+    ("\\boxed{0.\\overline{3}}", "0.\\overline{3}_{10}", 1.0),
+    ("\\boxed{a + b = \\pm 4}", "\\pm 4", 1.0), ("\\boxed{x - y = \\pm 4}", "-4, 4", 1.0), ("\\boxed{a + b = \\pm 4}", "4", 0.0)])
 def test_plus_minus_is_a_list_and_a_repeating_decimal_is_its_fraction(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
+def test_a_repeating_block_of_thousands_of_digits_never_raises():
+    long = "0.\\overline{" + "3" * 5000 + "}"
+    assert answers_equivalent(long, "\\frac13") is False  # left as written (over 50 digits), not a ValueError
+    assert group_answers([long, "1/3", long]) == [0, 1, 0]
 
 
 @pytest.mark.parametrize("text,gold,expected", [

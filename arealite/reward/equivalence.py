@@ -175,16 +175,26 @@ def _bracketed(s: str) -> bool:
     return False
 
 
-_REPEATING_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\(?:overline|bar)\s*\{\s*(\d+)\s*\}")
+_REL = r"(<|>|≤|≥|\\l(?:e|eq|eqslant)(?![A-Za-z])|\\g(?:e|eq|eqslant)(?![A-Za-z]))"
+_ONE_SIDED_RE = re.compile(r"([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
+_ONE_SIDED_FLIPPED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])")
+_TWO_SIDED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
+_HAS_REL_RE = re.compile(_REL + "|=")
+_REPEATING_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\(?:overline|bar)\s*\{\s*(\d+)\s*\}(?!\s*_)")
 _PLUS_MINUS_RE = re.compile(r"\\(pm|mp)(?![A-Za-z])")
 
 
 def _repeating_decimals(s: str) -> str:
     """``0.1\\overline{6}`` (also ``\\bar``) as the exact fraction it denotes,
     ``\\frac{1}{6}``: I.N(R) = (INR - IN) / (10^|N| (10^|R| - 1)). Only digits under the bar
-    (``\\overline{CD}`` is a segment and stays)."""
+    (``\\overline{CD}`` is a segment and stays), in base 10 (``0.\\overline{4}_7`` stays), at
+    most 50 digits."""
+    s = re.sub(r"(\\(?:overline|bar)\s*\{\s*\d+\s*\})\s*_\s*(?:10|\{\s*10\s*\})", r"\1", s)  # base 10 said
+
     def frac(m: re.Match) -> str:
         whole, fixed, rep = m.group(1) or "0", m.group(2), m.group(3)
+        if len(whole + fixed + rep) > 50:
+            return m.group(0)
         num = int(whole + fixed + rep) - int(whole + fixed)
         return "\\frac{%d}{%d}" % (num, 10 ** len(fixed) * (10 ** len(rep) - 1))
     return _REPEATING_RE.sub(frac, s)
@@ -194,17 +204,12 @@ def _plus_minus(s: str) -> str:
     """An answer with one ``\\pm`` (``\\mp``) and no list as the list of its two values:
     ``\\pm 4`` -> ``4, -4``; ``\\frac{3 \\pm \\sqrt{5}}{2}`` -> ``\\frac{3 + \\sqrt{5}}{2},
     \\frac{3 - \\sqrt{5}}{2}``. Anything else is returned unchanged."""
-    if len(_PLUS_MINUS_RE.findall(s)) != 1 or "," in s or _OR_RE.search(s):
-        return s
+    if (len(_PLUS_MINUS_RE.findall(s)) != 1 or "," in s or _OR_RE.search(s) or _HAS_REL_RE.search(s)
+            or re.search(r"\\(?:pm|mp)\s*(?:$|[})\]])", s)):
+        return s  # also "a + b = \pm 4": the equation rule compares its right-hand side
     first, second = ("+", "-") if "\\pm" in s else ("-", "+")
     return ", ".join(re.sub(r"^\s*\+\s*", "", _PLUS_MINUS_RE.sub(sign, s)) for sign in (first, second))
 
-
-_REL = r"(<|>|≤|≥|\\l(?:e|eq|eqslant)(?![A-Za-z])|\\g(?:e|eq|eqslant)(?![A-Za-z]))"
-_ONE_SIDED_RE = re.compile(r"([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
-_ONE_SIDED_FLIPPED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])")
-_TWO_SIDED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
-_HAS_REL_RE = re.compile(_REL + "|=")
 
 
 def _interval(s: str) -> str | None:
@@ -276,6 +281,11 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return False
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return True
+    if _REPEATING_RE.search(gold) and not _REPEATING_RE.search(pred) and re.search(r"\d\.\d", pred):
+        return False  # a gold written as a repeating decimal is answered exactly, never by 0.27 for 0.\overline{27}
+    eq_at = _last_equals(pred)
+    if eq_at >= 0 and _PLUS_MINUS_RE.search(pred[eq_at + 1:]) and not _HAS_REL_RE.search(gold):
+        return answers_equivalent(pred[eq_at + 1:].strip(), gold)  # "a + b = \pm 4" answers by its right side
     normal = _inequality_as_interval(_plus_minus(_repeating_decimals(pred)), _plus_minus(_repeating_decimals(gold)))
     if normal != (pred, gold):  # "\pm 4" is the list "4, -4"; 0.1\overline{6} is 1/6; x > 3 is (3, \infty)
         return answers_equivalent(*normal)
