@@ -136,6 +136,26 @@ def test_softmax_stats_equal_float64(v, std, scale):
 
 
 @needs_library
+@pytest.mark.parametrize("margin", [0.0, 8.0, 16.0, 25.0, 40.0])
+def test_softmax_stats_entropy_from_one_exp_per_logit(margin):
+    """Rows whose label leads the other logits by ``margin`` (entropy 10.3 down to ~1e-11 on a
+    49k vocabulary). The entropy comes from the same exps as the sum, ``log S - sum(e d) / S``:
+    two non-negative terms, so it is never negative and nothing cancels; at high entropy it is
+    within 1e-6 relative of float64, at low entropy within the resolution of the fp32 sum S ~ 1
+    (the same as the two-exp form before 2026-12-06: 4.2e-5 absolute at margin 16)."""
+    g = torch.Generator().manual_seed(int(margin))
+    logits = torch.randn(64, 49152, generator=g)
+    labels = torch.randint(0, 49152, (64,), generator=g)
+    logits[torch.arange(64), labels] += margin
+    _, ent, _ = native.softmax_stats(logits, labels, 1.0)
+    logp = logits.double().log_softmax(-1)
+    ref = -(logp.exp() * logp).sum(-1)
+    assert (ent >= 0).all() and (ent.double() - ref).abs().max() <= 1e-4
+    if margin == 0.0:
+        assert ((ent.double() - ref).abs() / ref).max() <= 1e-6
+
+
+@needs_library
 def test_loading_the_library_keeps_denormals():
     """Linked without -ffast-math: gcc's crtfastmath.o would turn on flush-to-zero in the thread
     that loads the library (here, pytest's: the library is loaded by now), and torch's results in

@@ -7,7 +7,10 @@
  * With z = s * logits (s = 1 / temperature), p = softmax(z), y the label of the row:
  *     lse      = log sum_j exp(z_j)                = s * zmax + log sum_j exp(s * (logits_j - zmax))
  *     logprob  = z_y - lse                         = s * (logits_y - zmax) - log sum_j ...
- *     entropy  = -sum_j p_j (z_j - lse)            (not lse - sum p z: that cancels at low entropy)
+ *     entropy  = -sum_j p_j log p_j                = log S - (sum_j e_j d_j) / S, with d_j = s * (logits_j
+ *                                                  - zmax) <= 0, e_j = exp(d_j), S = sum_j e_j: both terms
+ *                                                  are >= 0, so nothing cancels (lse - sum p z would, at low
+ *                                                  entropy), and one exp per element serves sum and entropy
  *     g_j      = s * g_lp * (1[j = y] - p_j)       d(g_lp * logprob) / d logits_j
  *
  * Threads: OpenMP over rows, on torch's libgomp (see arealite/native/__init__.py).
@@ -40,17 +43,16 @@ int softmax_stats_f32(const float *logits, int64_t ld, const int64_t *labels, in
         const float *z = logits + i * ld;
         float zmax = z[0]; /* V >= 1; no -INFINITY under -ffast-math */
         for (int64_t j = 1; j < V; j++) zmax = fmaxf(zmax, z[j]);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < V; j++) sum += exp_neg(s * (z[j] - zmax));
-        const float log_sum = logf(sum); /* in [0, log V] */
-        float ent = 0.0f;
+        float sum = 0.0f, ed = 0.0f; /* sum_j e_j and sum_j e_j d_j, e_j = exp(d_j), d_j <= 0 */
         for (int64_t j = 0; j < V; j++) {
-            float d = s * (z[j] - zmax) - log_sum; /* log p_j, without cancelling two large numbers */
-            ent -= exp_neg(d) * d;
+            const float d = s * (z[j] - zmax), e = exp_neg(d);
+            sum += e;
+            ed += e * d;
         }
+        const float log_sum = logf(sum); /* in [0, log V] */
         lse[i] = s * zmax + log_sum;
         logprob[i] = s * (z[labels[i]] - zmax) - log_sum;
-        entropy[i] = ent;
+        entropy[i] = log_sum - ed / sum; /* two terms >= 0: nothing cancels */
     }
     return 0;
 }
