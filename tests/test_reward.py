@@ -685,9 +685,27 @@ def test_plus_minus_is_a_list_and_a_repeating_decimal_is_its_fraction(text, gold
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
 
 
+@pytest.mark.parametrize("text,gold,expected", [
+    # a second review: an equation with \pm splits into two equations, so it equals no equation of one sign
+    ("\\boxed{a + b = 3}", "y - 1 = \\pm 2(x - 3)", 0.0), ("\\boxed{x^2 + y^2 = 1}", "x^2 - y^2 = \\pm 1", 0.0),
+    ("\\boxed{x + y = 4}", "x + y = \\pm 4", 0.0), ("\\boxed{x + y = \\pm 4}", "x + y = 4", 0.0),
+    ("\\boxed{a+b = 5 \\pm 1}", "x + y = 1", 0.0), ("\\boxed{y - 1 = \\pm (2x - 6)}", "y - 1 = \\pm 2(x - 3)", 1.0),
+    # the right side answers a \pm gold only after one plain left side: no hedge, list or relation before it
+    ("\\boxed{a + b = 1 \\text{ or } a + b = \\pm 4}", "\\pm 4", 0.0), ("\\boxed{a - b = 2 \\lor a+b = \\pm 4}", "\\pm 4", 0.0),
+    ("\\boxed{a+b=3 \\quad a+b=\\pm 4}", "\\pm 4", 0.0), ("\\boxed{xy = 0 \\text{ and } x+y = \\pm 4}", "\\pm 4", 0.0),
+    # a trailing \pm is no single value; a measurement of two plain numbers is not the pair of its ends
+    ("\\boxed{5 \\pm}", "5", 0.0), ("\\boxed{4.9, 5.1}", "5.0 \\pm 0.1", 0.0),
+    # the finite-decimal guard: the whole gold is one repeating decimal (base 10 said or not), the whole answer a decimal
+    ("\\boxed{0.27}", "0.\\overline{27}_{10}", 0.0), ("\\boxed{.27}", "0.\\overline{27}", 0.0),
+    ("\\boxed{(\\frac{1}{3}, 1.5)}", "(0.\\overline{3}, 1.5)", 1.0), ("\\boxed{1.5, \\frac{1}{3}}", "1.5, 0.\\overline{3}", 1.0),
+    ("\\boxed{0.\\overline{" + "3" * 60 + "}}", "\\frac13", 1.0)])
+def test_plus_minus_equations_and_repeating_golds_after_a_second_review(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
 def test_a_repeating_block_of_thousands_of_digits_never_raises():
     long = "0.\\overline{" + "3" * 5000 + "}"
-    assert answers_equivalent(long, "\\frac13") is False  # left as written (over 50 digits), not a ValueError
+    assert answers_equivalent(long, "\\frac13") is False  # left as written (over 200 digits), not a ValueError
     assert group_answers([long, "1/3", long]) == [0, 1, 0]
 
 

@@ -161,6 +161,15 @@ def _last_equals(s: str) -> int:
     return last
 
 
+def _top_level_commas(s: str) -> int:
+    """Commas of ``s`` outside brackets and braces."""
+    depth, n = 0, 0
+    for c in s:
+        depth += (c in "([{") - (c in ")]}")
+        n += c == "," and depth == 0
+    return n
+
+
 def _bracketed(s: str) -> bool:
     """Whether ``s`` is one bracketed group, "(" or "[" to ")" or "]": ``(1, 4]`` is, ``(1,2),(3,4)``
     and ``(A), (C)`` are lists of groups."""
@@ -181,6 +190,7 @@ _ONE_SIDED_FLIPPED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-
 _TWO_SIDED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
 _HAS_REL_RE = re.compile(_REL + "|=")
 _REPEATING_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\(?:overline|bar)\s*\{\s*(\d+)\s*\}(?!\s*_)")
+_ONE_REPEATING_RE = re.compile(r"-?\d*\.\d*\\(?:overline|bar)\s*\{\s*\d+\s*\}(?:\s*_\s*(?:10|\{\s*10\s*\}))?")
 _PLUS_MINUS_RE = re.compile(r"\\(pm|mp)(?![A-Za-z])")
 
 
@@ -188,12 +198,12 @@ def _repeating_decimals(s: str) -> str:
     """``0.1\\overline{6}`` (also ``\\bar``) as the exact fraction it denotes,
     ``\\frac{1}{6}``: I.N(R) = (INR - IN) / (10^|N| (10^|R| - 1)). Only digits under the bar
     (``\\overline{CD}`` is a segment and stays), in base 10 (``0.\\overline{4}_7`` stays), at
-    most 50 digits."""
+    most 200 digits (Python's int <-> str conversion refuses 4,300)."""
     s = re.sub(r"(\\(?:overline|bar)\s*\{\s*\d+\s*\})\s*_\s*(?:10|\{\s*10\s*\})", r"\1", s)  # base 10 said
 
     def frac(m: re.Match) -> str:
         whole, fixed, rep = m.group(1) or "0", m.group(2), m.group(3)
-        if len(whole + fixed + rep) > 50:
+        if len(whole + fixed + rep) > 200:
             return m.group(0)
         num = int(whole + fixed + rep) - int(whole + fixed)
         return "\\frac{%d}{%d}" % (num, 10 ** len(fixed) * (10 ** len(rep) - 1))
@@ -203,10 +213,13 @@ def _repeating_decimals(s: str) -> str:
 def _plus_minus(s: str) -> str:
     """An answer with one ``\\pm`` (``\\mp``) and no list as the list of its two values:
     ``\\pm 4`` -> ``4, -4``; ``\\frac{3 \\pm \\sqrt{5}}{2}`` -> ``\\frac{3 + \\sqrt{5}}{2},
-    \\frac{3 - \\sqrt{5}}{2}``. Anything else is returned unchanged."""
-    if (len(_PLUS_MINUS_RE.findall(s)) != 1 or "," in s or _OR_RE.search(s) or _HAS_REL_RE.search(s)
-            or re.search(r"\\(?:pm|mp)\s*(?:$|[})\]])", s)):
-        return s  # also "a + b = \pm 4": the equation rule compares its right-hand side
+    \\frac{3 - \\sqrt{5}}{2}``; an equation splits into two (``x + y = \\pm 4`` -> ``x + y = 4,
+    x + y = -4``, which equals no equation of one sign); a trailing ``5 \\pm`` reads ``5+, 5-``, no
+    single value. Unchanged: anything else, and a measurement of two plain numbers (``5.0 \\pm
+    0.1`` is not the pair 4.9, 5.1)."""
+    if (len(_PLUS_MINUS_RE.findall(s)) != 1 or "," in s or _OR_RE.search(s)
+            or re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*\\(?:pm|mp)\s*\d+(?:\.\d+)?\s*", s)):  # "5.0 \pm 0.1": a measurement
+        return s
     first, second = ("+", "-") if "\\pm" in s else ("-", "+")
     return ", ".join(re.sub(r"^\s*\+\s*", "", _PLUS_MINUS_RE.sub(sign, s)) for sign in (first, second))
 
@@ -281,11 +294,12 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return False
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return True
-    if _REPEATING_RE.search(gold) and not _REPEATING_RE.search(pred) and re.search(r"\d\.\d", pred):
+    if _ONE_REPEATING_RE.fullmatch(gold.strip()) and re.fullmatch(r"-?\d*\.\d+", pred.strip()):
         return False  # a gold written as a repeating decimal is answered exactly, never by 0.27 for 0.\overline{27}
     eq_at = _last_equals(pred)
-    if eq_at >= 0 and _PLUS_MINUS_RE.search(pred[eq_at + 1:]) and not _HAS_REL_RE.search(gold):
-        return answers_equivalent(pred[eq_at + 1:].strip(), gold)  # "a + b = \pm 4" answers by its right side
+    if (eq_at >= 0 and _PLUS_MINUS_RE.search(pred[eq_at + 1:]) and not _HAS_REL_RE.search(gold)
+            and re.fullmatch(r"[\w\s+\-*/^(){}]+", pred[:eq_at])):  # one plain left side: no hedge, list or relation
+        return answers_equivalent(pred[eq_at + 1:].strip(), gold)  # "a + b = \pm 4" answers a \pm gold by its right side
     normal = _inequality_as_interval(_plus_minus(_repeating_decimals(pred)), _plus_minus(_repeating_decimals(gold)))
     if normal != (pred, gold):  # "\pm 4" is the list "4, -4"; 0.1\overline{6} is 1/6; x > 3 is (3, \infty)
         return answers_equivalent(*normal)
@@ -310,6 +324,8 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     if gold_eq >= 0 and pred_eq < 0:
         return False  # "0" never answers the plane "20x + 23y + 26z - 69 = 0"
     if pred_eq >= 0 and gold_eq < 0:
+        if _top_level_commas(pred[:pred_eq]) != _top_level_commas(pred[pred_eq + 1:]):
+            return False  # "0, x + y = \pm 4": a list ending in an equation, not "x, y = 3, 4"
         return answers_equivalent(pred[pred_eq + 1:].strip(), gold)  # "a + b = 8" answers 8
     try:
         g, p = number_candidates(gold), number_candidates(pred)
