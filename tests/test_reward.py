@@ -698,7 +698,14 @@ def test_plus_minus_is_a_list_and_a_repeating_decimal_is_its_fraction(text, gold
     # the finite-decimal guard: the whole gold is one repeating decimal (base 10 said or not), the whole answer a decimal
     ("\\boxed{0.27}", "0.\\overline{27}_{10}", 0.0), ("\\boxed{.27}", "0.\\overline{27}", 0.0),
     ("\\boxed{(\\frac{1}{3}, 1.5)}", "(0.\\overline{3}, 1.5)", 1.0), ("\\boxed{1.5, \\frac{1}{3}}", "1.5, 0.\\overline{3}", 1.0),
-    ("\\boxed{0.\\overline{" + "3" * 60 + "}}", "\\frac13", 1.0)])
+    ("\\boxed{0.\\overline{" + "3" * 60 + "}}", "\\frac13", 1.0),
+    # a third review: a decimal of >= 2 places on the other side keeps a repeating decimal as written
+    # (the rounding rule would pay it), wherever the numbers stand; a word before an equation's \pm
+    ("\\boxed{+0.27}", "0.\\overline{27}", 0.0), ("\\boxed{(0.33, 0.67)}", "(0.\\overline{3}, 0.\\overline{6})", 0.0),
+    ("\\boxed{a + b = 0.27}", "0.\\overline{27}", 0.0), ("\\boxed{0.27 \\text{ or } 0.2727}", "0.\\overline{27}", 0.0),
+    ("\\boxed{0.\\overline{3}}", "0.33", 0.0), ("\\boxed{(\\frac{1}{3}, \\frac{2}{3})}", "(0.\\overline{3}, 0.\\overline{6})", 1.0),
+    ("\\boxed{6 or a + b = \\pm 4}", "\\pm 4", 0.0), ("The answer is 6 or $a + b = \\pm 4$.", "\\pm 4", 0.0),
+    ("\\boxed{5 < x < 3}", "(5, 3)", 0.0)])
 def test_plus_minus_equations_and_repeating_golds_after_a_second_review(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
 

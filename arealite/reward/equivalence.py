@@ -23,7 +23,7 @@ import itertools
 import logging
 import re
 
-from arealite.reward.numbers import number_candidates, number_tuple, numbers_equal
+from arealite.reward.numbers import number_candidates, number_tuple, numbers_equal, parse_number
 
 # math_verify warns on every call that its signal timeouts are disabled: our worker enforces one.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -190,7 +190,8 @@ _ONE_SIDED_FLIPPED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-
 _TWO_SIDED_RE = re.compile(r"([^<>≤≥=,]+?)\s*" + _REL + r"\s*([A-Za-z])\s*" + _REL + r"\s*([^<>≤≥=,]+)")
 _HAS_REL_RE = re.compile(_REL + "|=")
 _REPEATING_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\(?:overline|bar)\s*\{\s*(\d+)\s*\}(?!\s*_)")
-_ONE_REPEATING_RE = re.compile(r"-?\d*\.\d*\\(?:overline|bar)\s*\{\s*\d+\s*\}(?:\s*_\s*(?:10|\{\s*10\s*\}))?")
+# a decimal of >= 2 places, which the rounding rule may read as a rational (0.27, .33; not 1.5, 0.2\overline{7})
+_FINITE_DECIMAL_RE = re.compile(r"(?<![\d.])\d*\.\d{2,}(?!\d|\s*\\(?:overline|bar))")
 _PLUS_MINUS_RE = re.compile(r"\\(pm|mp)(?![A-Za-z])")
 
 
@@ -232,8 +233,8 @@ def _interval(s: str) -> str | None:
     def op(rel: str) -> tuple[bool, bool]:  # (points up: x > a, strict)
         return rel in (">", "≥") or rel.startswith("\\g"), rel in ("<", ">")
     s = s.strip()
-    if len(s) > 200 or _OR_RE.search(s) or "\\text" in s:
-        return None
+    if len(s) > 200 or _OR_RE.search(s) or "\\text" in s or s.count("^") > 1:
+        return None  # (a power tower as a bound: sympy may try to evaluate 9^{9^{9}})
     if m := _TWO_SIDED_RE.fullmatch(s):
         (up1, strict1), (up2, strict2) = op(m.group(2)), op(m.group(4))
         if up1 != up2:
@@ -241,6 +242,9 @@ def _interval(s: str) -> str | None:
         lo, hi, lo_strict, hi_strict = m.group(1), m.group(5), strict1, strict2
         if up1:  # b > x > a
             lo, hi, lo_strict, hi_strict = hi, lo, strict2, strict1
+        bounds = parse_number(lo.strip()), parse_number(hi.strip())
+        if None not in bounds and bounds[0][0] >= bounds[1][0]:
+            return None  # "5 < x < 3" is empty, not the pair (5, 3)
         return f"{'(' if lo_strict else '['}{lo.strip()}, {hi.strip()}{')' if hi_strict else ']'}"
     if m := _ONE_SIDED_RE.fullmatch(s):
         (up, strict), bound = op(m.group(2)), m.group(3).strip()
@@ -262,6 +266,24 @@ def _inequality_as_interval(pred: str, gold: str) -> tuple[str, str]:
         if not _HAS_REL_RE.search(b) and (interval := _interval(a)) is not None:
             return (interval, gold) if i == 0 else (pred, interval)
     return pred, gold
+
+
+def _rewritten(pred: str, gold: str) -> tuple[str, str]:
+    """The pair :func:`answers_equivalent` compares instead of ``(pred, gold)`` (the same pair when
+    no rule applies): a predicted ``a + b = \\pm 4`` with one plain left side against a gold
+    with no relation is its right-hand side; a repeating decimal is its fraction
+    (:func:`_repeating_decimals`) when the other side writes no decimal of >= 2 places (the
+    rounding rule would pay 0.27 for 0.\\overline{27}, or 0.\\overline{3} for a rounded 0.33);
+    one ``\\pm`` is a list (:func:`_plus_minus`); an inequality is an interval
+    (:func:`_inequality_as_interval`)."""
+    eq_at = _last_equals(pred)
+    if (eq_at >= 0 and _PLUS_MINUS_RE.search(pred[eq_at + 1:]) and not _HAS_REL_RE.search(gold)
+            and re.fullmatch(r"[\w\s+\-*/^(){}]+", pred[:eq_at])  # one plain left side: no list or relation,
+            and not re.search(r"[A-Za-z]{2,}", pred[:eq_at])):  # no word ("6 or a + b = \pm 4" is a hedge)
+        return pred[eq_at + 1:].strip(), gold
+    rep_pred = _repeating_decimals(pred) if not _FINITE_DECIMAL_RE.search(gold) else pred
+    rep_gold = _repeating_decimals(gold) if not _FINITE_DECIMAL_RE.search(pred) else gold
+    return _inequality_as_interval(_plus_minus(rep_pred), _plus_minus(rep_gold))
 
 
 def answers_equivalent(pred: str | None, gold: str | None) -> bool:
@@ -294,13 +316,7 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         return False
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return True
-    if _ONE_REPEATING_RE.fullmatch(gold.strip()) and re.fullmatch(r"-?\d*\.\d+", pred.strip()):
-        return False  # a gold written as a repeating decimal is answered exactly, never by 0.27 for 0.\overline{27}
-    eq_at = _last_equals(pred)
-    if (eq_at >= 0 and _PLUS_MINUS_RE.search(pred[eq_at + 1:]) and not _HAS_REL_RE.search(gold)
-            and re.fullmatch(r"[\w\s+\-*/^(){}]+", pred[:eq_at])):  # one plain left side: no hedge, list or relation
-        return answers_equivalent(pred[eq_at + 1:].strip(), gold)  # "a + b = \pm 4" answers a \pm gold by its right side
-    normal = _inequality_as_interval(_plus_minus(_repeating_decimals(pred)), _plus_minus(_repeating_decimals(gold)))
+    normal = _rewritten(pred, gold)
     if normal != (pred, gold):  # "\pm 4" is the list "4, -4"; 0.1\overline{6} is 1/6; x > 3 is (3, \infty)
         return answers_equivalent(*normal)
     letters = re.fullmatch(r"\(?([A-Za-z])\)?", pred.strip()), re.fullmatch(r"\(?([A-Za-z])\)?", gold.strip())
