@@ -225,7 +225,6 @@ def _plus_minus(s: str) -> str:
     return ", ".join(re.sub(r"^\s*\+\s*", "", _PLUS_MINUS_RE.sub(sign, s)) for sign in (first, second))
 
 
-
 def _interval(s: str) -> str | None:
     """A one-variable inequality as its interval: ``x > 3`` -> ``(3, \\infty)``, ``-2 \\le x < 5``
     -> ``[-2, 5)``, ``4 \\ge x`` -> ``(-\\infty, 4]``. None for anything else (a union, an
@@ -288,10 +287,11 @@ def _rewritten(pred: str, gold: str) -> tuple[str, str]:
 
 def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
-    First a repeating decimal becomes its fraction (``2.\\overline{3}`` = ``\\frac{7}{3}``) and
-    an answer with one ``\\pm`` the list of its two values (``\\pm 4`` = ``-4, 4``, so it never
-    equals 4 alone), and a one-variable inequality, against an answer with no relation, its
-    interval (``x > 3`` = ``(3, \\infty)``).
+    First :func:`_rewritten`: a repeating decimal becomes its fraction (``2.\\overline{3}`` =
+    ``\\frac{7}{3}``) unless the other side writes a decimal of >= 2 places, an answer with one
+    ``\\pm`` the list of its two values (``\\pm 4`` = ``-4, 4``, so it never equals 4 alone), and
+    a one-variable inequality, against an answer with no relation, its interval (``x > 3`` =
+    ``(3, \\infty)``).
 
     Args:
         pred: the model's final answer, e.g. ``"\\frac{1}{2}"``; None never matches.
