@@ -287,11 +287,9 @@ def _rewritten(pred: str, gold: str) -> tuple[str, str]:
 
 def answers_equivalent(pred: str | None, gold: str | None) -> bool:
     """Whether two *extracted* answers (:func:`extract_final_answer`) are the same answer.
-    First :func:`_rewritten`: a repeating decimal becomes its fraction (``2.\\overline{3}`` =
-    ``\\frac{7}{3}``) unless the other side writes a decimal of >= 2 places, an answer with one
-    ``\\pm`` the list of its two values (``\\pm 4`` = ``-4, 4``, so it never equals 4 alone), and
-    a one-variable inequality, against an answer with no relation, its interval (``x > 3`` =
-    ``(3, \\infty)``).
+    First :func:`_rewritten`: a repeating decimal is its fraction (unless the other side writes a
+    decimal of >= 2 places), one ``\\pm`` a list (``\\pm 4`` = ``-4, 4``, never 4 alone), and a
+    one-variable inequality its interval (``x > 3`` = ``(3, \\infty)``).
 
     Args:
         pred: the model's final answer, e.g. ``"\\frac{1}{2}"``; None never matches.
