@@ -40,12 +40,13 @@ import sys
 import tempfile
 import time
 
-import torch
-from transformers.utils import logging as hf_logging
-
-hf_logging.disable_progress_bar()
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
+import arealite  # noqa: E402,F401 - before torch, as in the recipes: its allocator setting (arealite/__init__.py)
+import torch  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
 
 from cost_curves import MODELS, build_model, grpo_batch  # noqa: E402
 

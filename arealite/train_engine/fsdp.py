@@ -20,9 +20,8 @@
   sequence, first-fit decreasing, as a dense mask costs (row length)² attention per row).
   ``packing=False`` runs the padded [b, T] rows instead. Either way ``loss_fn`` sees the padded
   [b, T] layout.
-* Loss scaling: ``Σ_mb loss_mb · w_mb / Σ_{all ranks, all mb} w_mb`` — identical to the loss of
-  the global batch however it is split (FSDP2 averages gradients over ranks, so the local
-  loss is multiplied by the world size before backward).
+* Loss scaling: ``Σ_mb loss_mb · w_mb / Σ_{all ranks, all mb} w_mb`` — identical to the loss of the
+  global batch however it is split (FSDP2 averages gradients over ranks: local loss × world size).
 * LM head: logprobs and entropy come from the final hidden states in chunks of
   ``mb_spec.logits_chunk_size`` tokens (:mod:`arealite.train_engine.lm_head`); fp32 logits of all
   tokens are never materialised. It runs inside the root module's FSDP forward
@@ -159,6 +158,8 @@ class FSDPEngine(TrainEngine):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)
+        if self.device.type == "cpu":  # each step reuses the pages the last one freed
+            perf.keep_freed_memory()
         use_lora = self.config.lora.rank > 0 and self.trainable  # a frozen engine needs no adapters
         if use_lora:  # target modules checked on a meta model, before the weights load
             lora.check_target_modules(model_path, self.config.lora, critic=bool(self._lora_modules_to_save))
