@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -80,6 +79,6 @@ def test_a_cpu_train_engine_keeps_freed_memory(tiny_model_dir):
     engine = FSDPEngine(TrainEngineConfig())
     engine.initialize(tiny_model_dir)
     try:
-        assert perf.keep_freed_memory.cache_info().currsize == (engine.device.type == "cpu") == (not torch.cuda.is_available())
+        assert perf.keep_freed_memory.cache_info().currsize == (engine.device.type == "cpu")  # called on the CPU only
     finally:
         engine.destroy()

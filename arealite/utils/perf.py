@@ -181,7 +181,7 @@ def keep_freed_memory() -> bool:
     3.83 GiB; docs/performance.md).
 
     Does nothing (returns False) with ``AREALITE_KEEP_FREED_MEMORY=0`` in the environment, or
-    where the C library is not glibc (musl, macOS).
+    where the C library is not glibc (musl, macOS). Raises nothing.
     """
     if os.environ.get("AREALITE_KEEP_FREED_MEMORY", "1") == "0":
         logger.info("malloc: freed memory goes back to the kernel (AREALITE_KEEP_FREED_MEMORY=0)")
