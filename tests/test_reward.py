@@ -728,3 +728,16 @@ def test_a_repeating_block_of_thousands_of_digits_never_raises():
     ("\\boxed{x > 3 \\text{ or } x < 1}", "(3,\\infty)", 0.0), ("\\boxed{x > y}", "(3,\\infty)", 0.0)])
 def test_a_one_variable_inequality_equals_its_interval(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    # a "!" after a value in a box (or a gold) is a factorial: 5! is 120, never 5
+    ("\\boxed{5!}", "5", 0.0), ("\\boxed{5!}", "120", 1.0), ("\\boxed{3!}", "6", 1.0), ("\\boxed{(3)!}", "6", 1.0),
+    ("\\boxed{3}", "3!", 0.0), ("\\boxed{6}", "3!", 1.0), ("\\boxed{3!}", "3!", 1.0),
+    ("\\boxed{\\frac{6!}{2}}", "360", 1.0), ("\\boxed{10!/2}", "1814400", 1.0), ("\\boxed{10!/2}", "10", 0.0),
+    # a double factorial is no single factorial; "!=" says "is not"
+    ("\\boxed{5!!}", "5", 0.0), ("\\boxed{5!!}", "120", 0.0), ("\\boxed{x != 3}", "3", 0.0), ("So $x != 3$.", "3", 0.0),
+    # in prose a "!" is a factorial only when more math follows; a sentence's "!" ends it
+    ("so $5!/2 = 60$", "60", 1.0), ("The answer is 5!", "5", 1.0), ("The answer is 5! Great.", "5", 1.0)])
+def test_a_factorial_is_its_value_and_an_exclamation_ends_a_sentence(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)

@@ -119,12 +119,28 @@ def _denoise(text: str) -> str:
     return _NOISE_RE.sub(lambda m: m.group(0) if m.group("keep") else " ", text)
 
 
-def _segments(text: str) -> list[tuple[str, str]]:
+# A factorial's "!": right after a number, a letter or a closing bracket ("5!", "n!", "(2n)!"), and
+# not "!=". In prose it must be followed by more math ("10!/2", "5! \cdot 2", "3!!" is a double
+# factorial); "The answer is 5!" and "5! Great." end a sentence. In a box or a gold answer
+# (``whole``) every such "!" is a factorial ("\boxed{5!}" is 120, never 5).
+_FACTORIAL_BEFORE_RE = re.compile(r"[\d)\]}A-Za-z!]$")
+_FACTORIAL_AFTER_RE = re.compile(r"!*\s*(?:[-+*/^)\]}\d]|\\(?:cdot|times|div|frac)(?![A-Za-z]))")
+
+
+def _factorial(text: str, at: int, whole: bool) -> bool:
+    """Whether the ``!`` at ``text[at]`` is a factorial (:data:`_FACTORIAL_BEFORE_RE`)."""
+    if not _FACTORIAL_BEFORE_RE.search(text[max(0, at - 1):at]) or text.startswith("!=", at):
+        return False
+    return whole or bool(_FACTORIAL_AFTER_RE.match(text, at + 1))
+
+
+def _segments(text: str, whole: bool = False) -> list[tuple[str, str]]:
     """Split ``text`` into ``("math", s)`` runs and ``("word", w)`` / ``("stop", c)`` separators.
 
     A multi-letter word (or ``\\text{...}``) ends a run; a ``^``/``_`` right after a word, with its
     exponent (``cm^2``, ``\\text{m}^{3}``), belongs to the word (a unit's power). Sentence
-    punctuation (``.`` not inside a number, ``:?!``, quotes, other symbols) is a ``stop``."""
+    punctuation (``.`` not inside a number, ``:?``, a ``!`` that is not a factorial
+    (:func:`_factorial`; ``whole``: ``text`` is all answer), quotes, other symbols) is a ``stop``."""
     out: list[tuple[str, str]] = []
     cur: list[str] = []
 
@@ -147,7 +163,7 @@ def _segments(text: str) -> list[tuple[str, str]]:
             if power:  # cm^2, \text{m}^{3}: the unit's own power, never the answer
                 word, pos = word + power.group(0), power.end()
             out.append(("word", word or "text"))
-        elif kind == "other" or tok == "!":
+        elif kind == "other" or (tok == "!" and not _factorial(text, pos - 1, whole)):
             flush()
             out.append(("stop", tok))
         else:
@@ -525,11 +541,12 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     text = strip_thousands_separators(_denoise(span))
     text = _TEXT_HEDGE_RE.sub(lambda m: " " + re.sub(r"\b(?:(?:or|either|maybe|perhaps|possibly)\b\s*)+", "or ", m.group(1)) + " ", text)
     # "1.5 \text{ (or 2)}" -> "1.5 (or 2)", "\text{, maybe 3}" -> ", or 3": a hedge, not a unit
+    text = text.replace("!=", " \\neq ")  # "x != 3" says x is not 3 (never the answer 3)
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", text)  # \frac12
     text = re.sub(r"(?<=\S)\s+(?=\\%)", "", text).replace("\\%", "%")  # "50 \\%" (linear on long blanks)
     text = re.sub(r"(\d)\s*(?:percent|per\s+cent)\b", r"\1%", text)
-    segs = _segments(text)
+    segs = _segments(text, whole)
     values = [i for i, (k, v) in enumerate(segs) if k == "math" and _has_value(v)]
     rows = values and len(segs) > 1 and re.search(r"\\\\|&", text)  # rows and cells with words: a piecewise answer
     if whole and (rows or len(values) > 1 and any(
