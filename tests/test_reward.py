@@ -705,7 +705,10 @@ def test_plus_minus_is_a_list_and_a_repeating_decimal_is_its_fraction(text, gold
     ("\\boxed{a + b = 0.27}", "0.\\overline{27}", 0.0), ("\\boxed{0.27 \\text{ or } 0.2727}", "0.\\overline{27}", 0.0),
     ("\\boxed{0.\\overline{3}}", "0.33", 0.0), ("\\boxed{(\\frac{1}{3}, \\frac{2}{3})}", "(0.\\overline{3}, 0.\\overline{6})", 1.0),
     ("\\boxed{6 or a + b = \\pm 4}", "\\pm 4", 0.0), ("The answer is 6 or $a + b = \\pm 4$.", "\\pm 4", 0.0),
-    ("\\boxed{5 < x < 3}", "(5, 3)", 0.0)])
+    ("\\boxed{5 < x < 3}", "(5, 3)", 0.0),
+    # a \pm on the left side makes it an expression in unknowns: the gold is the two equations, not "1"
+    ("\\boxed{2x+y=1}", "2x \\pm y = 1", 0.0), ("\\boxed{2x-y=1}", "2x \\pm y = 1", 0.0), ("\\boxed{1}", "2x \\pm y = 1", 0.0),
+    ("\\boxed{2x \\pm y=1}", "2x \\pm y = 1", 1.0), ("\\boxed{\\alpha + \\beta = 3}", "\\alpha \\pm \\beta = 3", 0.0)])
 def test_plus_minus_equations_and_repeating_golds_after_a_second_review(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
 

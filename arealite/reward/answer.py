@@ -295,7 +295,7 @@ def _variable_expression(lhs: str) -> bool:
     """Whether an equation's left-hand side is an expression in unknowns (a letter or a Greek
     letter and an operator: ``x^2 + y^2``, ``\\frac{x}{2} - y``), not a name (``x``, ``f(x)``,
     ``3n``, ``m\\angle ABC``) or a calculation (``48 + 24``)."""
-    t = re.sub(r"\\(?:d|t)?frac|\\(?:cdot|times|div|sqrt)(?![A-Za-z])", "*", lhs)
+    t = re.sub(r"\\(?:d|t)?frac|\\(?:cdot|times|div|sqrt|pm|mp)(?![A-Za-z])", "*", lhs)
     t = re.sub(rf"\\(?:{GREEK})(?![A-Za-z])", " v ", t)
     t = re.sub(r"\\[A-Za-z]+", " ", t).strip().lstrip("-+ ")
     return bool(re.search(r"[A-Za-z]", t) and re.search(r"[-+*/^]", t))
