@@ -708,7 +708,17 @@ def test_plus_minus_is_a_list_and_a_repeating_decimal_is_its_fraction(text, gold
     ("\\boxed{5 < x < 3}", "(5, 3)", 0.0),
     # a \pm on the left side makes it an expression in unknowns: the gold is the two equations, not "1"
     ("\\boxed{2x+y=1}", "2x \\pm y = 1", 0.0), ("\\boxed{2x-y=1}", "2x \\pm y = 1", 0.0), ("\\boxed{1}", "2x \\pm y = 1", 0.0),
-    ("\\boxed{2x \\pm y=1}", "2x \\pm y = 1", 1.0), ("\\boxed{\\alpha + \\beta = 3}", "\\alpha \\pm \\beta = 3", 0.0)])
+    ("\\boxed{2x \\pm y=1}", "2x \\pm y = 1", 1.0), ("\\boxed{\\alpha + \\beta = 3}", "\\alpha \\pm \\beta = 3", 0.0),
+    # one \pm inside a tuple is the list of its two tuples, in any order, never one of them
+    ("\\boxed{(1, 2), (-1, 2)}", "(\\pm 1, 2)", 1.0), ("\\boxed{(-1, 2), (1, 2)}", "(\\pm 1, 2)", 1.0),
+    ("\\boxed{(1, 2)}", "(\\pm 1, 2)", 0.0), ("\\boxed{(-1, 2)}", "(\\pm 1, 2)", 0.0), ("\\boxed{(1, 2), (1, -2)}", "(\\pm 1, 2)", 0.0),
+    ("\\boxed{(\\pm 1, 2)}", "(1, 2)", 0.0), ("\\boxed{(\\pm 1, 2)}", "(-1, 2), (1, 2)", 1.0),
+    ("\\boxed{(1, \\sqrt{2}), (1, -\\sqrt{2})}", "(1, \\pm\\sqrt{2})", 1.0),
+    # in a list or a set (MATH's gold \{1\pm\sqrt{5},-2\}) each member with one \pm is its two values
+    ("\\boxed{1+\\sqrt{5}, 1-\\sqrt{5}, -2}", "\\{1\\pm\\sqrt{5},-2\\}", 1.0),
+    ("\\boxed{\\{-2, 1-\\sqrt{5}, 1+\\sqrt{5}\\}}", "\\{1\\pm\\sqrt{5},-2\\}", 1.0),
+    ("\\boxed{1+\\sqrt{5}, -2}", "\\{1\\pm\\sqrt{5},-2\\}", 0.0), ("\\boxed{1, -1, 2, -2}", "\\pm 1, \\pm 2", 1.0),
+    ("\\boxed{1, 2}", "\\pm 1, \\pm 2", 0.0)])
 def test_plus_minus_equations_and_repeating_golds_after_a_second_review(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
 

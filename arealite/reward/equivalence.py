@@ -211,15 +211,40 @@ def _repeating_decimals(s: str) -> str:
     return _REPEATING_RE.sub(frac, s)
 
 
+def _top_level_split(s: str) -> list[str]:
+    """``s`` split at its commas outside brackets and braces (:func:`_top_level_commas`)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    return [*parts, s[start:]]
+
+
 def _plus_minus(s: str) -> str:
-    """An answer with one ``\\pm`` (``\\mp``) and no list as the list of its two values:
-    ``\\pm 4`` -> ``4, -4``; ``\\frac{3 \\pm \\sqrt{5}}{2}`` -> ``\\frac{3 + \\sqrt{5}}{2},
-    \\frac{3 - \\sqrt{5}}{2}``; an equation splits into two (``x + y = \\pm 4`` -> ``x + y = 4,
-    x + y = -4``, which equals no equation of one sign); a trailing ``5 \\pm`` reads ``5+, 5-``, no
-    single value. Unchanged: anything else, and a measurement of two plain numbers (``5.0 \\pm
-    0.1`` is not the pair 4.9, 5.1)."""
-    if (len(_PLUS_MINUS_RE.findall(s)) != 1 or "," in s or _OR_RE.search(s)
-            or re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*\\(?:pm|mp)\s*\d+(?:\.\d+)?\s*", s)):  # "5.0 \pm 0.1": a measurement
+    """An answer with one ``\\pm`` (``\\mp``) as the list of its two values: ``\\pm 4`` -> ``4, -4``;
+    ``\\frac{3 \\pm \\sqrt{5}}{2}`` -> ``\\frac{3 + \\sqrt{5}}{2}, \\frac{3 - \\sqrt{5}}{2}``; an
+    equation splits into two (``x + y = \\pm 4`` -> ``x + y = 4, x + y = -4``, which equals no
+    equation of one sign); a trailing ``5 \\pm`` reads ``5+, 5-``, no single value. One bracketed
+    tuple is the list of its two tuples (``(\\pm 1, 2)`` -> ``(1, 2), (-1, 2)``); in a list or a set
+    each member with one ``\\pm`` is its two values (``\\{1 \\pm \\sqrt{5}, -2\\}`` -> ``1 + \\sqrt{5},
+    1 - \\sqrt{5}, -2``). Unchanged: an answer with an "or", a member with two ``\\pm``, and a
+    measurement of two plain numbers (``5.0 \\pm 0.1`` is not the pair 4.9, 5.1)."""
+    n = len(_PLUS_MINUS_RE.findall(s))
+    t = s.strip()
+    if n == 0 or _OR_RE.search(s):
+        return s
+    if n == 1 and _bracketed(t):  # a tuple: the tuple's commas hidden, its one \pm split
+        inner = _plus_minus(t[1:-1].replace(",", "\x00"))
+        return ", ".join(t[0] + half.replace("\x00", ",") + t[-1] for half in inner.split(", ")) if "," in inner else s
+    body = t[2:-2] if t.startswith("\\{") and t.endswith("\\}") else t  # a set: its members
+    if _top_level_commas(body):  # a list
+        members = _top_level_split(body)
+        if any(len(_PLUS_MINUS_RE.findall(m)) > 1 for m in members):
+            return s
+        return ", ".join(_plus_minus(m).strip() for m in members)
+    if n != 1 or re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*\\(?:pm|mp)\s*\d+(?:\.\d+)?\s*", s):  # "5.0 \pm 0.1": a measurement
         return s
     first, second = ("+", "-") if "\\pm" in s else ("-", "+")
     return ", ".join(re.sub(r"^\s*\+\s*", "", _PLUS_MINUS_RE.sub(sign, s)) for sign in (first, second))
