@@ -754,3 +754,28 @@ def test_a_one_variable_inequality_equals_its_interval(text, gold, expected):
     ("so $5!/2 = 60$", "60", 1.0), ("The answer is 5!", "5", 1.0), ("The answer is 5! Great.", "5", 1.0)])
 def test_a_factorial_is_its_value_and_an_exclamation_ends_a_sentence(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
+@pytest.mark.parametrize("text", [
+    # a negation, a bound or a near miss is not the value (each paid for the gold 5 until 2026-12-06)
+    "\\boxed{\\neq 5}", "\\boxed{\\ne 5}", "\\boxed{\\not= 5}", "\\boxed{x \\not= 5}", "\\boxed{\\not 5}", "\\boxed{\\neg 5}",
+    "\\boxed{\\le 5}", "\\boxed{\\geq 5}", "\\boxed{< 5}", "\\boxed{>5}",
+    "\\boxed{\\text{not } 5}", "\\boxed{\\text{NOT } 5}", "\\boxed{\\text{anything but } 5}", "\\boxed{\\text{except } 5}",
+    "\\boxed{\\text{at least } 5}", "\\boxed{\\text{at most } 5}", "\\boxed{\\text{more than } 5}",
+    "\\boxed{\\text{less than } 5}", "\\boxed{\\text{over } 5}", "\\boxed{\\text{under } 5}", "\\boxed{5 \\text{ or more}}",
+    "\\boxed{\\text{nearly } 5}", "\\boxed{\\text{almost } 5}", "\\boxed{5 \\text{ is wrong}}", "\\boxed{5\\text{ (incorrect)}}",
+    "\\boxed{x=5 \\text{ is false}}", "The answer is at least 5.", "The answer is more than 5.", "The answer is 5 or more."])
+def test_a_negated_bounded_or_disowned_value_is_not_the_value(text):
+    assert math_reward(text, "5") == 0.0, extract_final_answer(text)
+
+
+@pytest.mark.parametrize("text,gold", [
+    # the same words elsewhere leave the answer alone; the same qualified answer equals itself
+    ("The answer is not 4 but 5.", "5"), ("So the answer is 5, not 6.", "5"), ("The minimum is \\boxed{5}, not 6.", "5"),
+    ("We need at least \\boxed{5} buses.", "5"), ("\\boxed{5} (at least)", "5"), ("\\boxed{5 \\text{ more}}", "5"),
+    ("John has \\boxed{5} more apples than Mary.", "5"), ("x is at least 5, so the answer is \\boxed{7}.", "7"),
+    ("Split over 4 days, that is 5 per day: \\boxed{5}", "5"), ("It takes nearly 5 hours, so the answer is \\boxed{5}", "5"),
+    ("\\boxed{x \\neq 5}", "x \\neq 5"), ("\\boxed{\\ge 5}", "\\ge 5"), ("\\boxed{x \\geq 5}", "[5, \\infty)"),
+    ("\\boxed{\\approx 5}", "5")])
+def test_qualifying_words_elsewhere_keep_the_answer(text, gold):
+    assert math_reward(text, gold) == 1.0, extract_final_answer(text)

@@ -57,6 +57,7 @@ from arealite.reward.sentences import (
     hedged_value_before,
     hedged_word_after,
     named_equations,
+    qualifier,
     same_angle,
     unindexed_list,
 )
@@ -281,7 +282,7 @@ def _clean_run(run: str) -> str:
         # an equation of an expression in unknowns is the answer ("20x + 23y + 26z - 69 = 0", "a + b = 8").
         s = s[eq_start:] if _variable_expression(s[lhs_start:last_eq]) else s[last_eq + 1:]
     s = s.strip().strip(",;").strip()
-    s = re.sub(r"^[*/^_=<>,;]+|[-+*/^_=<>,;(\[]+$", "", s).strip()
+    s = re.sub(r"^[*/^_=,;]+|[-+*/^_=<>,;(\[]+$", "", s).strip()  # a leading "<" / ">" is a bound: kept
     # Unbalanced closing brackets at the end (a sentence's "(... 72)") are not the answer's; "(" and
     # "[" open one class, so an interval keeps its mixed brackets ("(1, 4]", "(-\infty, 2] \cup (5, 7]").
     while s and s[-1] in ")]}" and _unbalanced(s, s[-1]):
@@ -311,10 +312,12 @@ def _unbalanced(s: str, bracket: str) -> bool:
     return closed > opened if bracket in ")]" else opened > closed
 
 
-def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
+def _expression(segs: list[tuple[str, str]], last: bool, whole: bool = False) -> str | None:
     """The answer expression of a segment list: the first (``last=False``, after a marker) or the
     last (``last=True``) math run that holds a value, joined with its neighbours when a hedge
-    (:data:`_CONNECTORS`) or a comma links them."""
+    (:data:`_CONNECTORS`) or a comma links them; with the words that qualify it, when some do
+    (:func:`arealite.reward.sentences.qualifier`: "at least 5", "5 or more"), so that it equals
+    no plain value."""
     idx = [i for i, (k, s) in enumerate(segs) if k == "math" and _has_value(s)]
     if not idx:
         return None
@@ -344,6 +347,11 @@ def _expression(segs: list[tuple[str, str]], last: bool) -> str | None:
             hi = j
             continue
         break
+    if (words := qualifier(segs, lo, hi, whole)) is not None:
+        after = [j for j in range(hi + 1, min(hi + 5, len(segs))) if segs[j][0] != "math" or segs[j][1].strip()]
+        if words.endswith("not") and after[:1] and segs[after[0]] == ("word", "but") and is_value(after[1] if after[1:] else -1):
+            return _clean_run(segs[after[1]][1])  # "not 4 but 5" answers 5
+        return f"{words} {_clean_run(''.join(s for k, s in segs[lo:hi + 1] if k == 'math'))}"
     if lo == hi:
         run = _clean_run(segs[i][1])
         unit = _LETTER_UNIT_RE.match(run)
@@ -541,7 +549,7 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     text = strip_thousands_separators(_denoise(span))
     text = _TEXT_HEDGE_RE.sub(lambda m: " " + re.sub(r"\b(?:(?:or|either|maybe|perhaps|possibly)\b\s*)+", "or ", m.group(1)) + " ", text)
     # "1.5 \text{ (or 2)}" -> "1.5 (or 2)", "\text{, maybe 3}" -> ", or 3": a hedge, not a unit
-    text = text.replace("!=", " \\neq ")  # "x != 3" says x is not 3 (never the answer 3)
+    text = re.sub(r"!=|\\not\s*=", r" \\neq ", text)  # "x != 3", "x \not= 3" say x is not 3 (never the answer 3)
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", text)  # \frac12
     text = re.sub(r"(?<=\S)\s+(?=\\%)", "", text).replace("\\%", "%")  # "50 \\%" (linear on long blanks)
@@ -552,7 +560,7 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     if whole and (rows or len(values) > 1 and any(
             k == "stop" or (k == "word" and v not in _CONNECTORS) for k, v in segs[values[0]:values[-1]])):
         return re.sub(r"\s+", " ", _clean_run(text)).strip() or None
-    expr = _expression(segs, last)
+    expr = _expression(segs, last, whole)
     if expr is None:
         return None
     return re.sub(r"\s+", " ", expr).strip() or None

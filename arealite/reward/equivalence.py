@@ -24,6 +24,7 @@ import logging
 import re
 
 from arealite.reward.numbers import number_candidates, number_tuple, numbers_equal, parse_number
+from arealite.reward.sentences import QUALIFIER_RE
 
 # math_verify warns on every call that its signal timeouts are disabled: our worker enforces one.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -193,6 +194,17 @@ _REPEATING_RE = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\(?:overline|bar)\s*\{\s*(\d
 # a decimal of >= 2 places, which the rounding rule may read as a rational (0.27, .33; not 1.5, 0.2\overline{7})
 _FINITE_DECIMAL_RE = re.compile(r"(?<![\d.])\d*\.\d{2,}(?!\d|\s*\\(?:overline|bar))")
 _PLUS_MINUS_RE = re.compile(r"\\(pm|mp)(?![A-Za-z])")
+# A negation anywhere ("x \\neq 5", "\\neg 5"), or a relation that starts the answer with nothing
+# on its left ("< 5", "\\ge 5"): a bound or an exclusion, never the value itself.
+_NEGATION_RE = re.compile(r"\\(?:ne|neq|not|neg|lnot|notin|nless|ngtr|nleq|ngeq)(?![A-Za-z])|≠")
+_LEADING_REL_RE = re.compile(r"^\s*(?:[<>≤≥]|\\(?:le|leq|ge|geq|leqslant|geqslant|lt|gt|ll|gg)(?![A-Za-z]))")
+
+
+def _qualified(s: str) -> tuple[bool, bool, bool]:
+    """Whether ``s`` negates (:data:`_NEGATION_RE`), starts with a relation, or holds a qualifying
+    word (:data:`arealite.reward.sentences.QUALIFIER_RE`: "at least 5", "5 or more")."""
+    return (bool(_NEGATION_RE.search(s)), bool(_LEADING_REL_RE.match(s)),
+            bool(QUALIFIER_RE.search(re.sub(r"\\[A-Za-z]+", " ", s))))
 
 
 def _repeating_decimals(s: str) -> str:
@@ -321,24 +333,25 @@ def answers_equivalent(pred: str | None, gold: str | None) -> bool:
         gold: the reference final answer, normalised the same way.
 
     Returns:
-        True when both are plain numbers with equal exact values (:func:`parse_number`; a
-        percentage also equals its value / 100), or, for anything else, when math-verify's
-        ``verify`` holds on the whole expressions and no relative-precision check vetoes it. A
-        calculation (``23 + 50``) never equals a plain-number gold; a compound hedge never equals
-        anything but the same text, and an answer with a disjunction (``or``, ``\\lor``,
-        ``\\vee``) never equals one without, unless every alternative equals it (``"x+11 or
-        11+x"`` against ``"11+x"``) or all alternatives are one value (``"75% or 0.75"`` against 75); against a plain number, an answer with ``|`` or ``\\mid``
-        never counts (``1.5 | 2``, ``|-3|``); answers with different numbers of
-        commas (a list against a scalar, a pair against a triple) are never equal, nor a bare list
-        and a bracketed tuple or interval (``1, 4`` against ``(1, 4)``). An equation (extraction keeps
-        one whose left-hand side is an expression in unknowns) equals an equation only (math-verify),
-        or, as the prediction against a gold that is none, by its right-hand side (``a + b = 8``
-        answers 8; ``0`` never answers ``x + y + z = 0``). Never raises (a failing comparison is False).
+        True when both are plain numbers with equal exact values (:func:`parse_number`; a percentage also
+        equals its value / 100), or, for anything else, when math-verify's ``verify`` holds on the whole
+        expressions and no relative-precision check vetoes it. A calculation (``23 + 50``) never equals a
+        plain-number gold; a compound hedge never equals anything but the same text, and an answer with a
+        disjunction (``or``, ``\\lor``, ``\\vee``) never equals one without, unless every alternative equals
+        it (``"x+11 or 11+x"`` against ``"11+x"``) or all alternatives are one value (``"75% or 0.75"``
+        against 75); a negation, a bound or a qualifying word on one side only (:func:`_qualified`: ``\\neq
+        5``, ``\\ge 5``, ``at least 5``) never; against a plain number, an answer with ``|`` or ``\\mid``
+        never counts (``1.5 | 2``, ``|-3|``); answers with different numbers of commas (a list against a
+        scalar, a pair against a triple) are never equal, nor a bare list and a bracketed tuple or interval
+        (``1, 4`` against ``(1, 4)``). An equation (extraction keeps one whose left-hand side is an expression
+        in unknowns) equals an equation only (math-verify), or, as the prediction against a gold that is none,
+        by its right-hand side (``a + b = 8`` answers 8; ``0`` never answers ``x + y + z = 0``). Never raises
+        (a failing comparison is False).
     """
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred or not gold:
         return False
-    if pred.replace(" ", "") == gold.replace(" ", ""):
-        return True
+    if pred.replace(" ", "") == gold.replace(" ", "") or _qualified(pred) != _qualified(gold):
+        return pred.replace(" ", "") == gold.replace(" ", "")  # "\neq 5", "\ge 5", "at least 5" are not 5
     normal = _rewritten(pred, gold)
     if normal != (pred, gold):  # "\pm 4" is the list "4, -4"; 0.1\overline{6} is 1/6; x > 3 is (3, \infty)
         return answers_equivalent(*normal)

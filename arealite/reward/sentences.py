@@ -185,3 +185,40 @@ def hedged_word_after(tail: str, answer: str) -> str | None:
             if value.strip("() ").lower() != key and value.lower() not in ("it", "this", "the"):
                 return value
     return None
+
+
+# Words that make a value something other than itself, right before it or right after it: a
+# negation, a bound, a near miss or a verdict ("not 5", "at least 5", "more than 5", "almost 5",
+# "5 or more", "5 (wrong)", "5 is incorrect"). In a box (``whole``) also "but", "over", "under",
+# "above", "below" and "beyond" before it ("anything but 5", "over 5"); in prose those often
+# introduce the answer itself ("not 4 but 5").
+_QUALIFIER_BEFORE = {"not", "least", "most", "than", "nearly", "almost", "except", "excluding", "never"}
+_QUALIFIER_BEFORE_WHOLE = {"but", "over", "under", "above", "below", "beyond"}
+_QUALIFIER_AFTER_RE = re.compile(r"(?:or|and) (?:more|less|fewer|greater|higher|lower|above|below|over|under|so)\b"
+                                 r"|(?:(?:is|was|are) )?(?:wrong|incorrect|false)\b|(?:is|was|are) not\b")
+QUALIFIER_RE = re.compile(r"\b(?:not|at least|at most|than|nearly|almost|except|excluding|never|but|over|under|above"
+                          r"|below|beyond|or (?:more|less|fewer|greater|higher|lower|so)|wrong|incorrect|false)\b", re.I)
+
+
+def qualifier(segs: list[tuple[str, str]], lo: int, hi: int, whole: bool) -> str | None:
+    """The qualifying words (:data:`QUALIFIER_RE`) right before ``segs[lo]`` or right after
+    ``segs[hi]`` (blank math runs skipped), e.g. ``"at least"``, ``"or more"``; None when there
+    are none. ``segs``: :func:`arealite.reward.answer._segments`' ``(kind, text)`` list."""
+    def words(indices) -> list[str]:
+        out = []
+        for j in indices:
+            kind, text = segs[j]
+            if kind == "math" and not text.strip():
+                continue
+            if kind != "word":
+                break
+            out.append(re.sub(r"[^a-z ]", "", text).strip())
+            if len(out) == 2:
+                break
+        return [w for w in out if w]
+    before = words(range(lo - 1, -1, -1))
+    last = before[0].split()[-1] if before else ""
+    if last in _QUALIFIER_BEFORE or (whole and last in _QUALIFIER_BEFORE_WHOLE):
+        return " ".join(reversed(before))
+    after = " ".join(words(range(hi + 1, len(segs))))
+    return after if _QUALIFIER_AFTER_RE.match(after) else None
