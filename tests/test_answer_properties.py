@@ -3,7 +3,8 @@
 
 * Fooling classes: a completion whose final answer is a *different* expression built from the gold
   answer's digits — a fraction over it, a power of it, a mixed number whose fraction holds it, a
-  unit's power, a list or tuple containing it, a list of equations ending in it, a hedge, a self-correction away from it — scores 0.
+  unit's power, a list or tuple containing it, a list of equations ending in it, a hedge, a self-correction away from it, the gold negated,
+  bounded or disowned (``\\neq g``, ``\\ge g``, "at least g", "g is incorrect") — scores 0.
 * Equivalent rewritings of the gold (LaTeX fraction forms, decimals, mixed numbers, thousands
   separators, units and currency around the number, markers, inline in a sentence, a
   self-correction towards it) score 1.
@@ -196,6 +197,18 @@ def test_an_unevaluated_calculation_is_not_a_number(g, a, op, pre, wrap):
         b = g // a
     assert_score(completion(pre, wrap, f"{a} {op} {b}"), str(g), 0.0)
     assert_score(completion(pre, wrap, f"{a} {op} {b} = {g}"), str(g), 1.0)
+
+
+
+@CASES
+@given(g=gold_int, pre=prefix, wrap=wrapper,
+       form=st.sampled_from(["\\neq {g}", "\\ne {g}", "\\not= {g}", "x \\neq {g}", "x != {g}", "\\neg {g}",
+                             "\\le {g}", "\\geq {g}", "< {g}", "> {g}", "\\text{{not }} {g}", "\\text{{at least }} {g}",
+                             "\\text{{at most }} {g}", "\\text{{more than }} {g}", "\\text{{fewer than }} {g}",
+                             "{g} \\text{{ or more}}", "{g} \\text{{ or less}}", "\\text{{almost }} {g}",
+                             "\\text{{nearly }} {g}", "{g} \\text{{ (wrong)}}", "{g} \\text{{ is incorrect}}"]))
+def test_a_negated_bounded_or_disowned_gold_number_scores_0(g, pre, wrap, form):
+    assert_score(completion(pre, wrap, form.format(g=g)), str(g), 0.0)
 
 
 # ------------------------------------------------------------------------- equivalent forms: 1
