@@ -763,7 +763,7 @@ def test_a_factorial_is_its_value_and_an_exclamation_ends_a_sentence(text, gold,
     "\\boxed{\\text{not } 5}", "\\boxed{\\text{NOT } 5}", "\\boxed{\\text{anything but } 5}", "\\boxed{\\text{except } 5}",
     "\\boxed{\\text{at least } 5}", "\\boxed{\\text{at most } 5}", "\\boxed{\\text{more than } 5}",
     "\\boxed{\\text{less than } 5}", "\\boxed{\\text{over } 5}", "\\boxed{\\text{under } 5}", "\\boxed{5 \\text{ or more}}",
-    "\\boxed{\\text{nearly } 5}", "\\boxed{\\text{almost } 5}", "\\boxed{5 \\text{ is wrong}}", "\\boxed{5\\text{ (incorrect)}}",
+    "\\boxed{\\text{up to } 5}", "\\boxed{\\text{nearly } 5}", "\\boxed{\\text{almost } 5}", "\\boxed{5 \\text{ is wrong}}", "\\boxed{5\\text{ (incorrect)}}",
     "\\boxed{x=5 \\text{ is false}}", "The answer is at least 5.", "The answer is more than 5.", "The answer is 5 or more."])
 def test_a_negated_bounded_or_disowned_value_is_not_the_value(text):
     assert math_reward(text, "5") == 0.0, extract_final_answer(text)

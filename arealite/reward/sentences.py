@@ -188,7 +188,7 @@ def hedged_word_after(tail: str, answer: str) -> str | None:
 
 
 # Words that make a value something other than itself, right before it or right after it: a
-# negation, a bound, a near miss or a verdict ("not 5", "at least 5", "more than 5", "almost 5",
+# negation, a bound, a near miss or a verdict ("not 5", "at least 5", "up to 5", "more than 5", "almost 5",
 # "5 or more", "5 (wrong)", "5 is incorrect"). In a box (``whole``) also "but", "over", "under",
 # "above", "below" and "beyond" before it ("anything but 5", "over 5"); in prose those often
 # introduce the answer itself ("not 4 but 5").
@@ -196,7 +196,7 @@ _QUALIFIER_BEFORE = {"not", "least", "most", "than", "nearly", "almost", "except
 _QUALIFIER_BEFORE_WHOLE = {"but", "over", "under", "above", "below", "beyond"}
 _QUALIFIER_AFTER_RE = re.compile(r"(?:or|and) (?:more|less|fewer|greater|higher|lower|above|below|over|under|so)\b"
                                  r"|(?:(?:is|was|are) )?(?:wrong|incorrect|false)\b|(?:is|was|are) not\b")
-QUALIFIER_RE = re.compile(r"\b(?:not|at least|at most|than|nearly|almost|except|excluding|never|but|over|under|above"
+QUALIFIER_RE = re.compile(r"\b(?:not|at least|at most|up to|than|nearly|almost|except|excluding|never|but|over|under|above"
                           r"|below|beyond|or (?:more|less|fewer|greater|higher|lower|so)|wrong|incorrect|false)\b", re.I)
 
 
@@ -216,9 +216,9 @@ def qualifier(segs: list[tuple[str, str]], lo: int, hi: int, whole: bool) -> str
             if len(out) == 2:
                 break
         return [w for w in out if w]
-    before = words(range(lo - 1, -1, -1))
-    last = before[0].split()[-1] if before else ""
-    if last in _QUALIFIER_BEFORE or (whole and last in _QUALIFIER_BEFORE_WHOLE):
-        return " ".join(reversed(before))
+    before = " ".join(reversed(words(range(lo - 1, -1, -1))))
+    last = before.split()[-1] if before else ""
+    if last in _QUALIFIER_BEFORE or (whole and last in _QUALIFIER_BEFORE_WHOLE) or re.search(r"\bup to$", before):
+        return before
     after = " ".join(words(range(hi + 1, len(segs))))
     return after if _QUALIFIER_AFTER_RE.match(after) else None
