@@ -222,6 +222,48 @@ def test_killing_the_parent_is_refused_and_the_parent_lives(mode):
     assert subprocess.run(["true"]).returncode == 0
 
 
+# --- reward hacks: objects that decide their own comparisons, patched builtins ------------------
+
+TOLERANT = {"tests": ["assert abs(f(1) - 2.5) < 1e-6", "assert f(2) == [1, 2]", "assert not f(3)"], "entry_point": "f"}
+HE_ADD = {"prompt": "def add(a, b):\n", "entry_point": "add",
+          "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(5, 5) == 10\n"}
+ALWAYS_EQUAL = "class A:\n    def __eq__(self, other): return True\n    def __ne__(self, other): return False\n"
+
+
+@pytest.mark.parametrize("code,problem,culprit", [
+    (ALWAYS_EQUAL + "def add(a, b):\n    return A()", ADD, "A.__eq__"),  # the "always equal" object
+    (ALWAYS_EQUAL + "def add(a, b):\n    return A()", HE_ADD, "A.__eq__"),  # inside HumanEval's check(candidate)
+    ("class A(int):\n    def __eq__(self, other): return True\ndef add(a, b):\n    return A(0)", ADD, "A.__eq__"),
+    (ALWAYS_EQUAL + "def add(a, b):\n    return [A()][0] if a else (A(),)", ADD, "A.__eq__"),
+    ("class Z:\n    def __sub__(self, o): return 0\n    def __bool__(self): return False\n"
+     "    def __eq__(self, o): return True\ndef f(x):\n    return Z() if x != 2 else [1, Z()]", TOLERANT, "Z.__"),
+])
+def test_an_object_that_decides_its_own_comparison_is_a_wrong_answer(code, problem, culprit):
+    r = score(code, problem)
+    assert (r.reward, r.outcome) == (0.0, "wrong_answer"), r
+    assert culprit in r.detail and "tests compare plain values" in r.detail, r.detail
+
+
+def test_builtins_patched_by_the_solution_do_not_reach_the_tests():
+    r = score("import builtins\nbuiltins.abs = lambda x: 0\ndef f(x):\n    return 0", TOLERANT)
+    assert (r.reward, r.outcome, r.failed) == (0.0, "wrong_answer", 0), r  # abs(0 - 2.5) is 2.5 again
+    rebinding = "def f(x):\n    globals()['f'] = lambda x: 0\n    return 2.5 if x == 1 else ([1, 2] if x == 2 else 0)"
+    assert score(rebinding, TOLERANT).reward == 1.0  # a rebinding inside a call reaches its own globals, not the tests'
+
+
+def test_plain_values_from_the_library_and_the_problems_own_classes_still_pass():
+    library = ("from fractions import Fraction\nimport collections\nT = collections.namedtuple('T', 'a b')\n"
+               "def f(x):\n    return Fraction(5, 2) if x == 1 else ([1, 2] if x == 2 else T(0, 0)[0])")
+    assert score(library, TOLERANT).reward == 1.0
+    helper = "class H:\n    def __init__(self): self.v = 2.5\ndef f(x):\n    return H().v if x == 1 else ([1, 2] if x == 2 else 0)"
+    assert score(helper, TOLERANT).reward == 1.0  # the solution's class without value dunders
+    given = {"prompt": "class P:\n    def __init__(self, v): self.v = v\n    def __eq__(self, o): return self.v == o.v\n\n"
+                       "def make(v):\n", "entry_point": "make",
+             "test": "def check(candidate):\n    assert candidate(3) == P(3)\n    assert candidate(4) != P(3)\n"}
+    assert score("    return P(v)", given).reward == 1.0  # the problem's own class compares as it says
+    assert score("    return P(v + 1)", given).reward == 0.0
+
+
 def test_bad_problems_raise_in_score_code_and_give_zero_in_code_reward(caplog):
     with pytest.raises(ValueError, match="no tests"):
         C.score_code("x", {"entry_point": "f"})

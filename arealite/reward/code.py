@@ -43,7 +43,12 @@ prompt's import lines are always prepended.
 Harness guard rails (in the sandboxed process, not a security boundary): the harness file is
 deleted before the candidate runs (the tests' source is not on disk), ``os.kill``/``os.killpg`` of
 any process but itself are refused by an audit hook (in the rlimit mode the parent is the reward
-worker), verdicts from forked children are dropped. The tests still live in the harness's memory,
+worker), verdicts from forked children are dropped. The tests run in globals of their own, with
+the builtins as they were before the program ran, and call the program's functions through a
+wrapper that fails the test (``wrong_answer``) when the returned value holds an object whose class
+the program wrote with a value method (``__eq__``, ``__lt__``, ``__bool__``, ``__sub__``, ``__len__``,
+``__str__``, ``__getattr__``, ...): the "always equal" reward hack. Classes defined in the problem's
+``prompt`` are exempt. The tests still live in the harness's memory,
 so a program that introspects its caller's frames could find them.
 
 All functions are module-level and picklable: ``code_reward`` runs under
@@ -218,10 +223,11 @@ def _tests_of(problem: dict) -> tuple[str, list]:
 # The harness: runs in the sandbox; the payload (code, tests, nonce) is appended as a JSON literal.
 _HARNESS = r'''
 def _harness(_payload):
-    import builtins, errno, io, json, os, sys
+    import builtins, errno, functools, io, itertools, json, os, sys, types
     P = json.loads(_payload)
     del _payload
     me, nonce, limit = os.getpid(), P["nonce"], P["max_stdout"]
+    clean_builtins = dict(vars(builtins))  # before the solution runs: what it does to builtins stays out of the tests
     try:
         os.remove(os.path.abspath(__file__))  # the tests are not left on disk
     except Exception:
@@ -286,6 +292,57 @@ def _harness(_payload):
     def norm(s):
         return [" ".join(ln.split()) for ln in s.strip().splitlines()]
 
+    # A value decides what a test sees of it through these: ==, <, bool(), abs(x - y), len(), str(), isinstance.
+    dunders = {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__", "__abs__", "__neg__",
+               "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+               "__mod__", "__pow__", "__round__", "__float__", "__int__", "__index__", "__str__", "__repr__",
+               "__format__", "__hash__", "__contains__", "__iter__", "__getitem__", "__getattr__", "__getattribute__",
+               "__class__", "__instancecheck__"}
+    roots = tuple({os.path.join(os.path.realpath(p), "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    builtin_code = (types.WrapperDescriptorType, types.MethodDescriptorType, types.BuiltinFunctionType,
+                    types.MethodWrapperType, types.ClassMethodDescriptorType, type(None))
+
+    def own_dunder(t):
+        """'Class.__eq__' when class t (not one of the problem's own) has a value dunder the solution
+        wrote (Python code outside the installed interpreter and packages), else None."""
+        if t.__qualname__ in P["given"]:
+            return None
+        for c in t.__mro__[:-1]:
+            for name in sorted(dunders & vars(c).keys()):
+                fn = getattr(vars(c)[name], "__func__", vars(c)[name])
+                if isinstance(fn, builtin_code):
+                    continue
+                code = getattr(fn, "__code__", None)
+                if code is None or not os.path.realpath(code.co_filename).startswith(roots):
+                    return f"{c.__qualname__}.{name}"
+        return None
+
+    def foreign(value):
+        stack, seen = [value], 0
+        while stack and seen < 10000:
+            x = stack.pop()
+            seen += 1
+            t = type(x)
+            if t in (list, tuple, set, frozenset):
+                stack.extend(itertools.islice(x, 10000))
+            elif t is dict:
+                stack.extend(itertools.islice(itertools.chain.from_iterable(x.items()), 20000))
+            elif t not in (int, float, str, bool, bytes, complex, type(None)) and (bad := own_dunder(t)):
+                return bad
+        return None
+
+    def plain_results(f, name):
+        """``f`` whose return value may not hold an object of the solution's own class that defines
+        how it compares or reads (the "always equal" object): such a call fails the test."""
+        @functools.wraps(f)
+        def call(*args, **kwargs):
+            value = f(*args, **kwargs)
+            if (bad := foreign(value)) is not None:
+                raise AssertionError(f"{name}() returned an object whose {bad} the solution defines: "
+                                     "tests compare plain values")
+            return value
+        return call
+
     try:
         code = compile(P["code"], "<solution>", "exec")
     except BaseException as e:
@@ -302,6 +359,11 @@ def _harness(_payload):
             emit({"i": -1, "o": bad[0], "d": bad[1]})
             emit({"end": True})
             return
+        # The tests see the solution's functions through plain_results, in their own globals with the
+        # builtins as they were before the solution ran (a rebinding inside a call does not reach them).
+        gt = {k: plain_results(v, k) if isinstance(v, types.FunctionType) and v.__code__.co_filename == "<solution>"
+              else v for k, v in g.items()}
+        gt["__builtins__"] = clean_builtins
         for i, t in enumerate(P["tests"]):
             cap = Cap()
             try:
@@ -309,7 +371,7 @@ def _harness(_payload):
             except BaseException as e:
                 emit({"i": i, "o": "runtime_error", "d": f"bad test: {type(e).__name__}: {e}"[:300]})
                 break
-            bad = run(tc, g, cap)
+            bad = run(tc, gt, cap)
             if bad is None and cap.exceeded:
                 bad = ("output_limit", "printed too much")
             emit({"i": i, "o": "pass", "d": ""} if bad is None else {"i": i, "o": bad[0], "d": bad[1]})
@@ -396,8 +458,9 @@ async def ascore_code(completion: str, problem: dict | str, fraction: bool = Fal
     cfg = config or CODE_SANDBOX
     cfg = dataclasses.replace(cfg, max_output_bytes=max(cfg.max_output_bytes, 1 << 16))
     nonce = secrets.token_hex(16)
+    given = sorted(set(re.findall(r"^\s*class\s+([A-Za-z_]\w*)", problem.get("prompt") or "", re.M)))
     payload = json.dumps({"nonce": nonce, "code": program, "style": style, "tests": tests, "fraction": fraction,
-                          "max_stdout": int(max_stdout_bytes)})
+                          "max_stdout": int(max_stdout_bytes), "given": given})
     source = _HARNESS + f"\n_harness({payload!r})\n"
     try:
         result = await arun_python(source, cfg)
