@@ -244,9 +244,14 @@ def test_an_object_that_decides_its_own_comparison_is_a_wrong_answer(code, probl
     assert culprit in r.detail and "tests compare plain values" in r.detail, r.detail
 
 
-def test_builtins_patched_by_the_solution_do_not_reach_the_tests():
+def test_builtins_and_modules_patched_by_the_solution_do_not_reach_the_tests():
     r = score("import builtins\nbuiltins.abs = lambda x: 0\ndef f(x):\n    return 0", TOLERANT)
     assert (r.reward, r.outcome, r.failed) == (0.0, "wrong_answer", 0), r  # abs(0 - 2.5) is 2.5 again
+    isclose = {"tests": ["import math\nassert math.isclose(f(1), 2.5)", "from math import isclose\nassert isclose(f(2), 3.5)"],
+               "entry_point": "f"}
+    r = score("import math\nmath.isclose = lambda *a, **k: True\ndef f(x):\n    return 0", isclose)
+    assert (r.reward, r.outcome, r.failed) == (0.0, "wrong_answer", 0), r  # the module the tests import is restored
+    assert score("import math\ndef f(x):\n    return math.sqrt(x * x) + 1.5", isclose).reward == 1.0
     rebinding = "def f(x):\n    globals()['f'] = lambda x: 0\n    return 2.5 if x == 1 else ([1, 2] if x == 2 else 0)"
     assert score(rebinding, TOLERANT).reward == 1.0  # a rebinding inside a call reaches its own globals, not the tests'
 

@@ -48,7 +48,8 @@ the builtins as they were before the program ran, and call the program's functio
 wrapper that fails the test (``wrong_answer``) when the returned value holds an object whose class
 the program wrote with a value method (``__eq__``, ``__lt__``, ``__bool__``, ``__sub__``, ``__len__``,
 ``__str__``, ``__getattr__``, ...): the "always equal" reward hack. Classes defined in the problem's
-``prompt`` are exempt. The tests still live in the harness's memory,
+``prompt`` are exempt. The modules the tests' source imports are imported before the program
+runs and restored after it (``math.isclose = lambda *a, **k: True`` does not reach the tests). The tests still live in the harness's memory,
 so a program that introspects its caller's frames could find them.
 
 All functions are module-level and picklable: ``code_reward`` runs under
@@ -350,6 +351,13 @@ def _harness(_payload):
         emit({"end": True})
         return
     if P["style"] == "function":
+        modules = []  # the modules the tests import, as they were before the solution ran
+        for name in P["imports"]:
+            try:
+                m = __import__(name, fromlist=["_"])
+                modules.append((m, dict(vars(m))))
+            except Exception:
+                pass
         g = {"__name__": "solution", "__builtins__": builtins}
         cap = Cap()
         bad = run(code, g, cap)
@@ -364,6 +372,9 @@ def _harness(_payload):
         gt = {k: plain_results(v, k) if isinstance(v, types.FunctionType) and v.__code__.co_filename == "<solution>"
               else v for k, v in g.items()}
         gt["__builtins__"] = clean_builtins
+        for m, saved in modules:  # "math.isclose = lambda *a, **k: True" does not reach the tests either
+            vars(m).clear()
+            vars(m).update(saved)
         for i, t in enumerate(P["tests"]):
             cap = Cap()
             try:
@@ -460,7 +471,9 @@ async def ascore_code(completion: str, problem: dict | str, fraction: bool = Fal
     nonce = secrets.token_hex(16)
     given = sorted(set(re.findall(r"^\s*class\s+([A-Za-z_]\w*)", problem.get("prompt") or "", re.M)))
     payload = json.dumps({"nonce": nonce, "code": program, "style": style, "tests": tests, "fraction": fraction,
-                          "max_stdout": int(max_stdout_bytes), "given": given})
+                          "max_stdout": int(max_stdout_bytes), "given": given,
+                          "imports": sorted(set(re.findall(r"^\s*(?:import|from)\s+([\w.]+)", "\n".join(map(str, tests)), re.M)))
+                          if style == "function" else []})
     source = _HARNESS + f"\n_harness({payload!r})\n"
     try:
         result = await arun_python(source, cfg)
