@@ -779,3 +779,16 @@ def test_a_negated_bounded_or_disowned_value_is_not_the_value(text):
     ("\\boxed{\\approx 5}", "5")])
 def test_qualifying_words_elsewhere_keep_the_answer(text, gold):
     assert math_reward(text, gold) == 1.0, extract_final_answer(text)
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    # a system of equations (each an expression in unknowns) is answered whole, never by its last equation
+    ("\\boxed{x + y = 5, x - y = 1}", "x - y = 1", 0.0), ("\\boxed{a+b=3, a-b=1}", "a - b = 1", 0.0),
+    ("\\boxed{x + 2y = 4, 3x + 6y = 12}", "x + 2y = 4", 0.0),
+    ("\\boxed{x - y = 1, x + y = 5}", "x + y = 5, x - y = 1", 1.0), ("\\boxed{x - y = 1}", "x + y = 5, x - y = 1", 0.0),
+    ("\\boxed{x - y = 2, x + y = 5}", "x + y = 5, x - y = 1", 0.0),
+    # working that ends in a named value still answers the value; a lone equation answers itself
+    ("\\boxed{3x + 2 = 5, x = 1}", "1", 1.0), ("\\boxed{x^2 = 25, x = 5}", "5", 1.0), ("\\boxed{2x + 3y = 6}", "2x + 3y = 6", 1.0),
+    ("We solve $x + y = 5$, $x - y = 1$, so \\boxed{x - y = 1}", "x - y = 1", 1.0)])
+def test_a_system_of_equations_is_answered_whole(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)

@@ -223,7 +223,7 @@ def _repeating_decimals(s: str) -> str:
     return _REPEATING_RE.sub(frac, s)
 
 
-def _top_level_split(s: str) -> list[str]:
+def top_level_split(s: str) -> list[str]:
     """``s`` split at its commas outside brackets and braces (:func:`_top_level_commas`)."""
     parts, depth, start = [], 0, 0
     for i, c in enumerate(s):
@@ -252,7 +252,7 @@ def _plus_minus(s: str) -> str:
         return ", ".join(t[0] + half.replace("\x00", ",") + t[-1] for half in inner.split(", ")) if "," in inner else s
     body = t[2:-2] if t.startswith("\\{") and t.endswith("\\}") else t  # a set: its members
     if _top_level_commas(body):  # a list
-        members = _top_level_split(body)
+        members = top_level_split(body)
         if any(len(_PLUS_MINUS_RE.findall(m)) > 1 for m in members):
             return s
         return ", ".join(_plus_minus(m).strip() for m in members)
