@@ -34,15 +34,15 @@ from __future__ import annotations
 import re
 
 from arealite.reward.equivalence import (  # noqa: F401 - answers_equivalent and group_answers are re-exported
+    EQUALS_RE,
     LOGIC_OR,
     MAX_ANSWER_CHARS,
     answers_equivalent,
     group_answers,
     math_verify_equal,
-    top_level_split,
 )
 from arealite.reward.forms import ascii_forms
-from arealite.reward.latex import matching_brace, nested_boxes
+from arealite.reward.latex import matching_brace, nested_boxes, top_level, top_level_split
 from arealite.reward.numbers import (  # noqa: F401 - parse_number and strip_thousands_separators are re-exported
     number_candidates,
     numbers_equal,
@@ -271,7 +271,8 @@ def _clean_run(run: str) -> str:
     if values:  # "x=1, x=2", "x=1 \\mid x=2": the values as a list (one value: itself)
         return ", ".join(_clean_run(v) for v in values)
     parts = [p.strip() for p in top_level_split(s)]
-    if len(parts) > 1 and all(len(eq := _top_level_equals(p)) == 1 and _variable_expression(p[:eq[0]]) for p in parts):
+    if len(parts) > 1 and all(len(eq := top_level(p, EQUALS_RE)) == 1 and _variable_expression(p[:eq[0].start()])
+                              for p in parts):
         return ", ".join(parts)  # "x + y = 5, x - y = 1": a system of equations is answered whole, never by its last
     depth, last_eq, lhs_start, start, eq_start = 0, -1, 0, 0, 0
     for i, c in enumerate(s):
@@ -294,16 +295,6 @@ def _clean_run(run: str) -> str:
     while s and s[0] in "([{" and _unbalanced(s, s[0]):
         s = s[1:].lstrip()
     return s
-
-
-def _top_level_equals(s: str) -> list[int]:
-    """Positions of the ``=`` of ``s`` outside brackets (not ``<=``, ``>=``, ``!=``)."""
-    depth, out = 0, []
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
-            out.append(i)
-    return out
 
 
 def _variable_expression(lhs: str) -> bool:

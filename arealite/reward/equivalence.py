@@ -23,6 +23,7 @@ import itertools
 import logging
 import re
 
+from arealite.reward.latex import top_level, top_level_split
 from arealite.reward.numbers import number_candidates, number_tuple, numbers_equal, parse_number
 from arealite.reward.sentences import QUALIFIER_RE
 
@@ -151,24 +152,20 @@ def _one_value(a: str, b: str) -> bool:
     return answers_equivalent(a, b)
 
 
+# An "=" that is not part of "<=", ">=" or "!=".
+EQUALS_RE = re.compile(r"(?<![<>!])=")
+
+
 def _last_equals(s: str) -> int:
     """Index of the last ``=`` outside brackets (not in ``<=``, ``>=``, ``!=``), or -1. Extraction
     keeps an equation only when its left-hand side is an expression in unknowns."""
-    depth, last = 0, -1
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if c == "=" and depth == 0 and s[i - 1:i] not in ("<", ">", "!"):
-            last = i
-    return last
+    eqs = top_level(s, EQUALS_RE)
+    return eqs[-1].start() if eqs else -1
 
 
 def _top_level_commas(s: str) -> int:
     """Commas of ``s`` outside brackets and braces."""
-    depth, n = 0, 0
-    for c in s:
-        depth += (c in "([{") - (c in ")]}")
-        n += c == "," and depth == 0
-    return n
+    return len(top_level_split(s)) - 1
 
 
 def _bracketed(s: str) -> bool:
@@ -223,17 +220,6 @@ def _repeating_decimals(s: str) -> str:
     return _REPEATING_RE.sub(frac, s)
 
 
-def top_level_split(s: str) -> list[str]:
-    """``s`` split at its commas outside brackets and braces (:func:`_top_level_commas`)."""
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if c == "," and depth == 0:
-            parts.append(s[start:i])
-            start = i + 1
-    return [*parts, s[start:]]
-
-
 def _plus_minus(s: str) -> str:
     """An answer with one ``\\pm`` (``\\mp``) as the list of its two values: ``\\pm 4`` -> ``4, -4``;
     ``\\frac{3 \\pm \\sqrt{5}}{2}`` -> ``\\frac{3 + \\sqrt{5}}{2}, \\frac{3 - \\sqrt{5}}{2}``; an
@@ -251,8 +237,8 @@ def _plus_minus(s: str) -> str:
         inner = _plus_minus(t[1:-1].replace(",", "\x00"))
         return ", ".join(t[0] + half.replace("\x00", ",") + t[-1] for half in inner.split(", ")) if "," in inner else s
     body = t[2:-2] if t.startswith("\\{") and t.endswith("\\}") else t  # a set: its members
-    if _top_level_commas(body):  # a list
-        members = top_level_split(body)
+    members = top_level_split(body)
+    if len(members) > 1:  # a list
         if any(len(_PLUS_MINUS_RE.findall(m)) > 1 for m in members):
             return s
         return ", ".join(_plus_minus(m).strip() for m in members)

@@ -30,6 +30,15 @@ def top_level(s: str, pattern: re.Pattern) -> list[re.Match]:
     return [m for m in pattern.finditer(s) if depths[m.start()] == 0]
 
 
+_COMMA_RE = re.compile(",")
+
+
+def top_level_split(s: str) -> list[str]:
+    """``s`` split at its commas outside any bracket pair: ``"(1, 2), 3"`` -> ``["(1, 2)", " 3"]``."""
+    cuts = [m.start() for m in top_level(s, _COMMA_RE)]
+    return [s[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(s)])]
+
+
 def nested_boxes(text: str, boxes: list[re.Match]) -> set[int]:
     """Start offsets of the ``boxes`` that open inside another box's braces (one pass)."""
     if len(boxes) < 2:

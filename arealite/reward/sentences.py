@@ -196,8 +196,9 @@ _QUALIFIER_BEFORE = {"not", "least", "most", "than", "nearly", "almost", "except
 _QUALIFIER_BEFORE_WHOLE = {"but", "over", "under", "above", "below", "beyond"}
 _QUALIFIER_AFTER_RE = re.compile(r"(?:or|and) (?:more|less|fewer|greater|higher|lower|above|below|over|under|so)\b"
                                  r"|(?:(?:is|was|are) )?(?:wrong|incorrect|false)\b|(?:is|was|are) not\b")
-QUALIFIER_RE = re.compile(r"\b(?:not|at least|at most|up to|than|nearly|almost|except|excluding|never|but|over|under|above"
-                          r"|below|beyond|or (?:more|less|fewer|greater|higher|lower|so)|wrong|incorrect|false)\b", re.I)
+# Any of those words anywhere in an answer (:func:`arealite.reward.equivalence.answers_equivalent`).
+_WORDS = sorted((_QUALIFIER_BEFORE - {"least", "most"}) | _QUALIFIER_BEFORE_WHOLE | {"at least", "at most", "up to"})
+QUALIFIER_RE = re.compile(rf"\b(?:{'|'.join(_WORDS)})\b|\b(?:{_QUALIFIER_AFTER_RE.pattern})", re.I)
 
 
 def qualifier(segs: list[tuple[str, str]], lo: int, hi: int, whole: bool) -> str | None:
