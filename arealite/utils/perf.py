@@ -178,7 +178,9 @@ def keep_freed_memory() -> bool:
     against 57-58 %) and full fine-tuning (``--lora-rank 0``) 5.5 s against 6.5-7.1 s (FSDP's
     casts and copies 0.3-0.4 s against 1.5 s). The cost: the process stays at its peak memory
     between steps, and the peak grows a little (40 LoRA steps of random shapes: 3.98 against
-    3.83 GiB; docs/performance.md).
+    3.83 GiB). A lone large block allocated and freed in a loop can make the heap grow several
+    times before a freed hole fits it (``posix_memalign`` asks for the size plus the alignment):
+    up to 15 more 192 MiB blocks in 1 of 87 heap layouts (docs/performance.md).
 
     Does nothing (returns False) with ``AREALITE_KEEP_FREED_MEMORY=0`` in the environment, or
     where the C library is not glibc (musl, macOS). Raises nothing.
