@@ -32,12 +32,12 @@ class _FakeActor:
     def forward(self, batch):
         return batch["logprobs"].clone()
 
-    def train_batch(self, batch, loss_fn, loss_weight_fn):
+    def train_batch(self, batch, loss_fn, loss_weight_fn, skipped_weight=0.0):
         n = batch["loss_mask"].shape[0]
         step = self.mb_rows or n
         mbs = [{k: v[i:i + step] for k, v in batch.items()} for i in range(0, n, step)]
         ws = [loss_weight_fn(mb) for mb in mbs]
-        total = sum(loss_fn(mb["logprobs"].clone().requires_grad_(), mb) * w for mb, w in zip(mbs, ws)) / sum(ws)
+        total = sum(loss_fn(mb["logprobs"].clone().requires_grad_(), mb) * w for mb, w in zip(mbs, ws)) / (sum(ws) + skipped_weight)
         self.losses.append(total.item())
         return {"loss": total.item()}
 

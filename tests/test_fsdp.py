@@ -39,12 +39,15 @@ def assert_same_training(got, ref, what):
                                    rtol=1e-5, atol=1e-6, msg=f"{what}: {name}")
 
 
-def test_one_vs_two_ranks_one_vs_four_microbatches_packed_vs_padded_agree(model_dir, tmp_path):
+def test_one_vs_two_ranks_one_vs_four_microbatches_packed_vs_padded_skipped_rows_agree(model_dir, tmp_path):
     one = run_train_steps(model_dir, tmp_path, 1, "actor")
     two = run_train_steps(model_dir, tmp_path, 2, "actor")
     ref = one["10000_True"]  # 1 rank, 1 packed micro-batch
     assert ref["n_microbatches"] == 1 and one["41_True"]["n_microbatches"] == 4
     assert two["41_False"]["n_microbatches"] == 2  # per rank
+    # rows 1, 2, 6 (zero advantages, 48 of 162 tokens) left out, their weight passed as
+    # skipped_weight: the same step with 3 micro-batches instead of 4
+    assert one["41_True_skip"]["n_microbatches"] == 3 and two["41_True_skip"]["n_microbatches"] == 2
     for ranks, results in ((1, one), (2, two)):
         for setting, got in results.items():
             assert_same_training(got, ref, f"{ranks} ranks, {setting}")

@@ -171,7 +171,7 @@ class _FakeActor:
     def forward(self, batch):
         return batch["logprobs"].clone()
 
-    def train_batch(self, batch, loss_fn, loss_weight_fn):
+    def train_batch(self, batch, loss_fn, loss_weight_fn, skipped_weight=0.0):
         loss = loss_fn(batch["logprobs"].clone().requires_grad_(), batch)
         self.calls.append((batch, loss.item(), loss_weight_fn(batch)))
         return {"loss": loss.item()}

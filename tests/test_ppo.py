@@ -24,7 +24,7 @@ class _FakeCritic:
     def forward(self, batch):
         return self.values.clone()
 
-    def train_batch(self, batch, loss_fn, loss_weight_fn):
+    def train_batch(self, batch, loss_fn, loss_weight_fn, skipped_weight=0.0):
         v = (batch["values"] + self.shift).clone().requires_grad_()
         loss = loss_fn(v, batch)
         loss.backward()
@@ -140,7 +140,7 @@ def test_stale_batch_metrics_behaviour_kl_weights_and_entropy():
         def forward(self, batch):
             return torch.where(batch["loss_mask"] > 0, torch.tensor(-0.5), torch.tensor(0.0))
 
-        def train_batch(self, batch, loss_fn, loss_weight_fn):
+        def train_batch(self, batch, loss_fn, loss_weight_fn, skipped_weight=0.0):
             loss = loss_fn(self.forward(batch).requires_grad_(), batch)
             return {"loss": loss.item()}
 
@@ -156,7 +156,7 @@ def test_stale_batch_metrics_behaviour_kl_weights_and_entropy():
 
 def test_update_reports_mean_loss_and_grad_norm_over_minibatches():
     class _Counting(_FakeActor):
-        def train_batch(self, batch, loss_fn, loss_weight_fn):
+        def train_batch(self, batch, loss_fn, loss_weight_fn, skipped_weight=0.0):
             out = super().train_batch(batch, loss_fn, loss_weight_fn)
             self.calls = getattr(self, "calls", 0) + 1
             return {**out, "grad_norm": float(self.calls * 2 - 1), "lr": 1e-5 * self.calls}  # 1, 3

@@ -227,9 +227,31 @@ class GRPO(Algorithm):
         """The engine weight matching ``loss_agg_mode`` (token-mean: number of loss tokens)."""
         return F.agg_weight(mb["loss_mask"], self.config.loss_agg_mode)
 
+    def inert_rows(self, mb: Batch) -> torch.Tensor:
+        """[b] bool: the rows of ``mb`` whose policy loss is exactly 0 with a 0 gradient: every
+        advantage on the row's loss tokens is 0 (all of a GRPO group with all-equal rewards),
+        and each token's term of every surrogate of ``algo.loss`` is its advantage times a
+        finite factor. None is inert with a KL term in the loss (``kl_coef > 0``) or with
+        ``correction_batch_norm`` (its batch mean couples the rows)."""
+        if self.kl_in_loss or self.config.correction_batch_norm:
+            return torch.zeros(mb["loss_mask"].shape[0], dtype=torch.bool)
+        return ((mb["advantages"] == 0) | (mb["loss_mask"] == 0)).all(1)
+
     def train_minibatch(self, mb: Batch) -> dict[str, float]:
-        """One optimizer step of the policy on minibatch ``mb`` (PPO adds its critic here)."""
-        return self.actor.train_batch(mb, self.loss_fn, self.loss_weight_fn)
+        """One optimizer step of the policy on minibatch ``mb`` (PPO adds its critic here).
+
+        The :meth:`inert_rows` get no forward or backward pass: their loss weight goes to the
+        engine as ``skipped_weight``, so the step equals the step on all of ``mb`` (one row is
+        kept when all are inert, so the optimizer still steps, as it would on zero gradients).
+        The loss stats (``actor/*`` from :meth:`loss_fn`) are over the rows trained;
+        ``rows_skipped`` counts the others."""
+        inert = self.inert_rows(mb)
+        if bool(inert.all()):
+            inert[0] = False
+        kept = {k: v[~inert] for k, v in mb.items()}
+        skipped = float(self.loss_weight_fn({k: v[inert] for k, v in mb.items()})) if inert.any() else 0.0
+        stats = self.actor.train_batch(kept, self.loss_fn, self.loss_weight_fn, skipped_weight=skipped)
+        return {**stats, "rows_skipped": float(inert.sum())}
 
     def update(self, batch: Batch) -> dict[str, float]:
         """Prepare, then ``n_minibatches`` optimizer steps over whole groups of the batch.
@@ -250,6 +272,8 @@ class GRPO(Algorithm):
         for key in stats:
             if key.rsplit("/", 1)[-1] in ("loss", "grad_norm"):
                 stats[key] = sum(s[key] for s in per_minibatch) / len(per_minibatch)
+            elif key == "rows_skipped":
+                stats[key] = sum(s[key] for s in per_minibatch)
         stats.update(combine_stats(self._mb_stats))
         adv = batch["advantages"][batch["loss_mask"].bool()]
         if adv.numel():

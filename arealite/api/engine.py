@@ -27,6 +27,7 @@ class TrainEngine(abc.ABC):
         batch: Batch,
         loss_fn: Callable[[torch.Tensor, Batch], torch.Tensor],
         loss_weight_fn: Callable[[Batch], float],
+        skipped_weight: float = 0.0,
     ) -> dict[str, float]:
         """One optimizer step on ``batch`` (this rank's share of the global batch).
 
@@ -36,6 +37,12 @@ class TrainEngine(abc.ABC):
         ``loss_weight_fn(mb)`` (e.g. the number of loss tokens). The engine combines them as
         ``Σ_mb loss_mb · w_mb / Σ_global w`` (global = all micro-batches of all ranks), so the
         result equals the loss of the whole global batch however it is split.
+
+        ``skipped_weight``: the loss weight of rows of this rank's share that the caller left
+        out of ``batch`` because their loss is exactly 0 with a 0 gradient (GRPO's rows whose
+        advantages are all 0). It joins ``Σ_global w``, so the step equals the step on the
+        whole share, with the same optimizer step and schedule, without their forward and
+        backward passes.
 
         Returns: stats with at least ``loss``, ``grad_norm``, ``lr``.
         """

@@ -357,13 +357,13 @@ class FSDPEngine(TrainEngine):
         batch: Batch,
         loss_fn: Callable[[torch.Tensor, Batch], torch.Tensor],
         loss_weight_fn: Callable[[Batch], float],
+        skipped_weight: float = 0.0,
     ) -> dict[str, float]:
-        """See :meth:`TrainEngine.train_batch`. ``loss_fn(out, mb)`` gets the token-aligned
-        logprobs (critic: values) [b, T] float32 and the micro-batch, which also holds
-        ``mb["entropy"]`` [b, T] (actor, detached); a micro-batch whose ``loss_weight_fn`` is 0
-        contributes exactly 0 and is not passed to ``loss_fn``. A non-finite loss or gradient
-        norm skips the update (parameters, optimizer state and LR schedule untouched) and
-        reports ``skipped = 1``.
+        """See :meth:`TrainEngine.train_batch`. ``loss_fn(out, mb)`` gets the token-aligned logprobs
+        (critic: values) [b, T] float32 and the micro-batch, which also holds ``mb["entropy"]``
+        [b, T] (actor, detached); a micro-batch whose ``loss_weight_fn`` is 0 contributes exactly
+        0 and is not passed to ``loss_fn``. A non-finite loss or gradient norm skips the update
+        (parameters, optimizer state and LR schedule untouched) and reports ``skipped = 1``.
 
         Raises:
             ValueError: the global loss weight is 0 (no loss tokens in the whole batch).
@@ -374,7 +374,7 @@ class FSDPEngine(TrainEngine):
         self.model.train()
         mbs = self._microbatches(batch)
         weights = [0.0 if dummy else float(loss_weight_fn(mb)) for mb, dummy, _ in mbs]
-        total = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
+        total = torch.tensor(sum(weights) + skipped_weight, dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         if float(total) <= 0:
             raise ValueError("train_batch: the global loss weight is 0 (no tokens with loss_mask=1)")

@@ -18,8 +18,9 @@ from arealite.api.config import MicroBatchSpec, OptimizerConfig, TrainEngineConf
 from arealite.train_engine.fsdp import FSDPCriticEngine, FSDPEngine, init_distributed
 from arealite.utils.proc import exit_without_teardown
 
-# (max_tokens_per_mb, packing): 162 real tokens → 1 micro-batch at 10_000, 4 at 41 (1 rank)
-SETTINGS = [(10_000, True), (41, True), (10_000, False), (41, False)]
+# (max_tokens_per_mb, packing, skip): 162 real tokens → 1 micro-batch at 10_000, 4 at 41 (1 rank);
+# skip (actor): the rows whose advantages are all 0 are left out, their weight passed as skipped_weight
+SETTINGS = [(10_000, True, False), (41, True, False), (10_000, False, False), (41, False, False), (41, True, True)]
 
 
 def global_batch():
@@ -33,6 +34,7 @@ def global_batch():
         am[i, :n] = True
         lm[i, 3:n] = 1
     adv = (torch.rand(B, 1, generator=g) + 0.5).expand(B, T) * lm  # positive: no cancellation in the loss
+    adv = adv * torch.tensor([1, 0, 0, 1, 1, 1, 0, 1])[:, None]  # rows 1, 2, 6: zero loss and gradient
     returns = torch.randn(B, T, generator=g) * lm
     return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm, "advantages": adv.contiguous(),
             "returns": returns}
@@ -57,7 +59,9 @@ def main():
     share = batch["input_ids"].shape[0] // world
     local = {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
     results = {}
-    for max_tokens, packing in SETTINGS:
+    for max_tokens, packing, skip in SETTINGS:
+        if skip and kind != "actor":
+            continue
         cfg = TrainEngineConfig(optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1e9),
                                 mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens, packing=packing))
         if kind == "actor":
@@ -65,10 +69,15 @@ def main():
         else:
             engine, loss_fn, n_steps = FSDPCriticEngine(cfg), critic_loss_fn, 2
         engine.initialize(model_dir)
-        steps = [engine.train_batch(local, loss_fn, lambda mb: float(mb["loss_mask"].sum())) for _ in range(n_steps)]
+        weight_fn, rows, skipped = lambda mb: float(mb["loss_mask"].sum()), local, 0.0
+        if skip:
+            inert = (local["advantages"] == 0).all(1)
+            rows = {k: v[~inert] for k, v in local.items()}
+            skipped = weight_fn({k: v[inert] for k, v in local.items()})
+        steps = [engine.train_batch(rows, loss_fn, weight_fn, skipped_weight=skipped) for _ in range(n_steps)]
         state = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         names = [n for n in sorted(state) if "layers.1." in n][:2] + [n for n in sorted(state) if "score" in n]
-        results[f"{max_tokens}_{packing}"] = {
+        results[f"{max_tokens}_{packing}" + ("_skip" if skip else "")] = {
             "loss": [s["loss"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
             "n_microbatches": steps[0]["n_microbatches"],
             "params": {n: state[n].flatten()[:64].tolist() for n in names}}
