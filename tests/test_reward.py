@@ -792,3 +792,16 @@ def test_qualifying_words_elsewhere_keep_the_answer(text, gold):
     ("We solve $x + y = 5$, $x - y = 1$, so \\boxed{x - y = 1}", "x - y = 1", 1.0)])
 def test_a_system_of_equations_is_answered_whole(text, gold, expected):
     assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    # a word listed beside a value in a box is a second item: a hedge that pays for neither (each paid
+    # for the gold 5 until 2026-12-06: the word was dropped, the value kept)
+    ("\\boxed{\\text{unknown}, 5}", "5", 0.0), ("\\boxed{\\text{four}, 5}", "5", 0.0), ("\\boxed{5, \\text{none}}", "5", 0.0),
+    ("\\boxed{\\text{?}, 5}", "5", 0.0), ("\\boxed{\\text{undefined}; 5}", "5", 0.0),
+    ("\\boxed{\\text{Yes}, 5}", "\\text{Yes}, 5", 1.0),  # the same list equals itself
+    # a unit, a hedge word or a trailing comma is no listed word
+    ("\\boxed{5 \\text{ cm}}", "5", 1.0), ("\\boxed{6 \\text{ apples}, }", "6", 1.0), ("\\boxed{\\text{either } 5, 6}", "5", 0.0),
+    ("\\boxed{5, 6 \\text{ and } 7}", "5, 6, 7", 1.0)])
+def test_a_word_listed_beside_a_value_is_an_item_of_the_answer(text, gold, expected):
+    assert math_reward(text, gold) == expected, (extract_final_answer(text), gold)

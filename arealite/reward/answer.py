@@ -545,6 +545,15 @@ def _boxes_before(before: str) -> tuple[list[str], bool]:
     return firsts, False
 
 
+def _word_listed(segs: list[tuple[str, str]]) -> bool:
+    """Whether a word other than a hedge is listed beside a value, a ``,`` or ``;`` between them
+    (``\\text{unknown}, 5``, ``5, \\text{none}``): a list, equal to no single value."""
+    def value(j: int, sep: str) -> bool:
+        return 0 <= j < len(segs) and segs[j][0] == "math" and _has_value(segs[j][1]) and sep(segs[j][1].strip())
+    return any(k == "word" and v not in _CONNECTORS and (value(i + 1, lambda t: t[:1] in ",;") or value(i - 1, lambda t: t[-1:] in ",;"))
+               for i, (k, v) in enumerate(segs))
+
+
 def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     """The answer expression of ``span`` (:func:`_expression` on its segments), spaces collapsed.
 
@@ -562,7 +571,7 @@ def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
     segs = _segments(text, whole)
     values = [i for i, (k, v) in enumerate(segs) if k == "math" and _has_value(v)]
     rows = values and len(segs) > 1 and re.search(r"\\\\|&", text)  # rows and cells with words: a piecewise answer
-    if whole and (rows or len(values) > 1 and any(
+    if whole and (rows or _word_listed(segs) or len(values) > 1 and any(
             k == "stop" or (k == "word" and v not in _CONNECTORS) for k, v in segs[values[0]:values[-1]])):
         return re.sub(r"\s+", " ", _clean_run(text)).strip() or None
     expr = _expression(segs, last, whole)
