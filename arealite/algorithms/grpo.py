@@ -154,16 +154,20 @@ class GRPO(Algorithm):
 
     def prepare(self, batch: Batch) -> Batch:
         """Adds ``advantages`` [B, T], ``prox_logp`` [B, T] (unless the training forward provides
-        it, see the module doc) and, with a reference model, ``ref_logp`` [B, T]."""
+        it, see the module doc; the :meth:`inert_rows`, never trained, get the behaviour
+        logprobs instead of a forward pass) and, with a reference model, ``ref_logp`` [B, T]."""
         if self.ref is not None:
             batch["ref_logp"] = self.ref.forward(batch)
+        batch["advantages"] = self.compute_advantages(batch, self.shaped_rewards(batch))
         if self.config.n_minibatches > 1:
-            batch["prox_logp"] = self.actor.forward(batch)
+            rows = ~self.inert_rows(batch)
+            batch["prox_logp"] = batch["logprobs"].float().clone()
+            if bool(rows.any()):
+                batch["prox_logp"][rows] = self.actor.forward({k: v[rows] for k, v in batch.items()})
         elif not self.config.use_decoupled_loss:
             batch["prox_logp"] = batch["logprobs"]
         # else: one minibatch — π_prox are the weights of this very update, so the training
         # forward's own (detached) logprobs are exactly π_prox: no extra forward pass needed.
-        batch["advantages"] = self.compute_advantages(batch, self.shaped_rewards(batch))
         return batch
 
     def correction(self, prox_logp: torch.Tensor, mb: Batch) -> C.Correction:

@@ -17,7 +17,8 @@ Cases (name -> what is computed):
   of such groups only. ``skip``: GRPO leaves those rows out and passes their weight as the
   engine's ``skipped_weight`` (one row kept when all are inert); ``full``: every row trained;
   ``unweighted``: left out without their weight (a negative control: the step grows).
-  ``<loss>``: ppo (token-mean), cispo (seq-mean-token-mean), gmpo, and GSPO.
+  ``<loss>``: ppo (token-mean), cispo (seq-mean-token-mean), gmpo, GSPO, and ppo_2mb (two
+  minibatches, so π_prox comes from a forward pass of the rows trained).
 
 The optimizer is AdamW with eps = lr = 1 and no clipping, so the step is
 g / (|g| + 1) ≈ g per parameter: sensitive to the gradient's magnitude (with the usual tiny eps,
@@ -138,7 +139,7 @@ def main():
     for name, cls, cfg in (("ppo", GRPO, GRPOAlgoConfig()),
                            ("cispo", with_surrogate(GRPO, "cispo"), GRPOAlgoConfig(loss="cispo", loss_agg_mode="seq-mean-token-mean")),
                            ("gmpo", with_surrogate(GRPO, "gmpo"), GRPOAlgoConfig(loss="gmpo", loss_agg_mode="seq-mean-token-mean")),
-                           ("gspo", GSPO, GSPOAlgoConfig())):
+                           ("gspo", GSPO, GSPOAlgoConfig()), ("ppo_2mb", GRPO, GRPOAlgoConfig(n_minibatches=2))):
         for mode, mixin in (("skip", None), ("full", TrainInertRows), ("unweighted", DropInertRowsUnweighted)):
             results[f"inert_{name}_{mode}"] = run_inert_case(model_dir, cls, cfg, mixin)
     # the untrained weights, to show the update is not ~0
