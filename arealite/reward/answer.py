@@ -548,10 +548,9 @@ def _boxes_before(before: str) -> tuple[list[str], bool]:
 def _word_listed(segs: list[tuple[str, str]]) -> bool:
     """Whether a word other than a hedge is listed beside a value, a ``,`` or ``;`` between them
     (``\\text{unknown}, 5``, ``5, \\text{none}``): a list, equal to no single value."""
-    def value(j: int, sep: str) -> bool:
-        return 0 <= j < len(segs) and segs[j][0] == "math" and _has_value(segs[j][1]) and sep(segs[j][1].strip())
-    return any(k == "word" and v not in _CONNECTORS and (value(i + 1, lambda t: t[:1] in ",;") or value(i - 1, lambda t: t[-1:] in ",;"))
-               for i, (k, v) in enumerate(segs))
+    def listed(j: int, edge: int) -> bool:  # a run with a value and a separator at its ``edge`` (0: first, -1: last)
+        return 0 <= j < len(segs) and segs[j][0] == "math" and _has_value(segs[j][1]) and segs[j][1].strip()[edge] in ",;"
+    return any(k == "word" and v not in _CONNECTORS and (listed(i + 1, 0) or listed(i - 1, -1)) for i, (k, v) in enumerate(segs))
 
 
 def _normalise(span: str, last: bool, whole: bool = False) -> str | None:
